@@ -1,0 +1,1 @@
+"""gradbus.broker: routing, partition table, sequencing and batching, membership, flow control."""

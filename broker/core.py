@@ -1,0 +1,625 @@
+"""The broker's state machine: routing, the partition table, sequencing, batching, membership,
+duplicate suppression and credit flow control. No sockets here.
+
+Each ``on_*`` method takes one event (a message's frames, or a clock tick) with the current
+monotonic time and returns a list of actions. An action is a tuple:
+
+* ``(FRONT, identity, frames)`` -- send to a client (frontend ROUTER);
+* ``(BACK, identity, frames)``  -- send to a shard (backend ROUTER);
+* ``(PUB, frames)``             -- publish on events (XPUB), ``frames[0]`` is the topic.
+
+Tensor frames are passed through as the objects the loop received (``zmq.Frame`` with
+``copy=False``): this module reads their length, never their bytes.
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
+
+from gradbus.codecs import specs, timing, wire
+from gradbus.codecs import tensor as tcodec
+from gradbus.codecs.errors import Code, WireError
+from gradbus.codecs.partition import (DEFAULT_PARTITIONS, MAX_NAME_LEN, TensorLayout,
+                                      partition_of, split_key)
+
+log = logging.getLogger("gradbus.broker")
+
+FRONT, BACK, PUB = "front", "back", "pub"
+
+SHARD_CREDIT = 4                 # batches in flight to one shard before the broker holds back
+MAX_BATCH_BYTES = 64 << 20       # one batch message to a shard carries at most this much tensor data
+MAX_PENDING_BYTES = 512 << 20    # above this the loop stops reading the frontend (back-pressure)
+DEDUPE_WINDOW = 100_000          # (client, msg_id) pairs remembered per client
+
+
+def _flen(frame) -> int:
+    return frame.buffer.nbytes if hasattr(frame, "buffer") else len(frame)
+
+
+@dataclass
+class ShardInfo:
+    id: str
+    identity: bytes
+    last_seen: float
+    alive: bool = True
+    inflight: int = 0                     # batch messages sent, not yet APPLIED
+    partitions: set = field(default_factory=set)
+    bytes: int = 0                        # bytes of parameters placed on it
+    info: dict = field(default_factory=dict)
+    snapshots: list = field(default_factory=list)  # outstanding (client, req)
+    queued_snapshots: list = field(default_factory=list)  # (client, req, keys, of)
+
+
+@dataclass
+class ClientInfo:
+    identity: bytes
+    last_seen: float
+    pushes: int = 0
+    seen: OrderedDict = field(default_factory=OrderedDict)  # msg_id -> "pending"|ack/err frames
+
+
+@dataclass
+class Pending:
+    """A push or init waiting for all its blocks to be applied."""
+    client: bytes
+    msg: int
+    kind: str                      # "push" | "init"
+    remaining: int
+    error: tuple | None = None     # (code, message)
+    reply: dict = field(default_factory=dict)
+
+
+@dataclass
+class Tensor:
+    layout: TensorLayout
+    opt: dict
+    versions: dict = field(default_factory=dict)   # block index -> last version seen
+
+    @property
+    def version(self) -> int:
+        if len(self.versions) < self.layout.nblocks:
+            return 0
+        return min(self.versions.values())
+
+
+class BrokerCore:
+    def __init__(self, partitions: int = DEFAULT_PARTITIONS, *,
+                 shard_credit: int = SHARD_CREDIT, max_batch_bytes: int = MAX_BATCH_BYTES,
+                 max_pending_bytes: int = MAX_PENDING_BYTES,
+                 max_tensor_bytes: int = wire.MAX_TENSOR_BYTES,
+                 heartbeat_interval: float = timing.HEARTBEAT_INTERVAL,
+                 liveness: int = timing.LIVENESS,
+                 client_liveness: int = timing.CLIENT_LIVENESS,
+                 dedupe_window: int = DEDUPE_WINDOW, now: float = 0.0):
+        if not 1 <= partitions <= 65535:
+            raise ValueError("partitions must be in 1..65535")
+        self.P = partitions
+        self.shard_credit = shard_credit
+        self.max_batch_bytes = max_batch_bytes
+        self.max_pending_bytes = max_pending_bytes
+        self.max_tensor_bytes = max_tensor_bytes
+        self.hb_interval = heartbeat_interval
+        self.liveness = liveness
+        self.client_liveness = client_liveness
+        self.dedupe_window = dedupe_window
+        self.ports = {"events": 0, "backend": 0}
+        self.started = now
+        self.last_hb_sent = now
+
+        self.owners: list[str | None] = [None] * partitions
+        self.epochs = [0] * partitions
+        self.lost: set[int] = set()
+        self.table_version = 0
+        self.seq = [0] * partitions
+        self.catalog: dict[str, Tensor] = {}
+        self.shards: dict[str, ShardInfo] = {}
+        self.by_identity: dict[bytes, str] = {}
+        self.clients: dict[bytes, ClientInfo] = {}
+        self.pending_entries: dict[int, list] = defaultdict(list)   # p -> [(entry, desc, frame, ref)]
+        self.pending_bytes = 0
+        self.pending: dict[tuple[bytes, int], Pending] = {}
+        self.inflight: dict[tuple[str, int, int], list] = {}         # (shard, p, seq) -> [ref...]
+        self.counters: dict[str, int] = defaultdict(int)
+        self.errors: dict[str, int] = defaultdict(int)
+
+    # ------------------------------------------------------------------ helpers
+    def accepting(self) -> bool:
+        """False while queued tensor bytes exceed the bound: the loop stops reading clients."""
+        return self.pending_bytes < self.max_pending_bytes
+
+    def _err(self, identity: bytes, code: Code, message: str, **fields):
+        self.errors[code.value] += 1
+        return (FRONT, identity, [wire.error(code, message, **fields)])
+
+    def _live(self, shard_id: str | None) -> bool:
+        s = self.shards.get(shard_id) if shard_id else None
+        return bool(s and s.alive)
+
+    def _client(self, identity: bytes, now: float) -> ClientInfo:
+        c = self.clients.get(identity)
+        if c is None:
+            c = self.clients[identity] = ClientInfo(identity, now)
+        c.last_seen = now
+        return c
+
+    def _table_msg(self) -> list:
+        down = sorted(p for p in range(self.P)
+                      if p in self.lost or (self.owners[p] and not self._live(self.owners[p])))
+        return [wire.TOPIC_TABLE, wire.pack(wire.TABLE, version=self.table_version,
+                                            owners=[o or "" for o in self.owners],
+                                            epochs=self.epochs, down=down)]
+
+    def _place(self, p: int, nbytes: int) -> str | None:
+        """Owner of partition p, placing it on the live shard holding fewest bytes if new."""
+        owner = self.owners[p]
+        if owner is not None:
+            return owner
+        live = [s for s in self.shards.values() if s.alive]
+        if not live:
+            return None
+        s = min(live, key=lambda s: (s.bytes, len(s.partitions), s.id))
+        self.owners[p] = s.id
+        self.epochs[p] = 1
+        s.partitions.add(p)
+        self.table_version += 1
+        return s.id
+
+    # ------------------------------------------------------------------ frontend
+    def on_frontend(self, identity: bytes, frames: list, now: float) -> list:
+        self.counters["frontend_msgs"] += 1
+        if not frames:
+            self.errors[Code.BAD_FRAME.value] += 1
+            return []
+        try:
+            h = wire.unpack_header(frames[0], wire.FRONTEND_KINDS)
+        except WireError as e:
+            return [self._err(identity, e.code, str(e.args[0]))]
+        kind = h["kind"]
+        if kind == wire.HELLO:   # discovery only: registers nobody
+            return [(FRONT, identity, [wire.pack(wire.WELCOME, events=self.ports["events"],
+                                                 backend=self.ports["backend"],
+                                                 partitions=self.P)]), ]
+        if kind == wire.STATUS:   # ops tools are not workers
+            return [(FRONT, identity, [wire.pack(wire.STATUS_REPLY, req=h["req"],
+                                                 status=self.status(now))])]
+        if kind == wire.BYE:
+            self.clients.pop(identity, None)
+            return []
+        client = self._client(identity, now)
+        try:
+            if kind == wire.PUSH:
+                return self._push(client, h, frames[1:])
+            if kind == wire.INIT:
+                return self._init(client, h, frames[1:])
+            if kind == wire.SNAPSHOT:
+                return self._snapshot(client, h, frames[1:])
+            if kind == wire.CATALOG:
+                return self._catalog(client, h)
+            return []  # HEARTBEAT: registered above, last_seen updated
+        except WireError as e:
+            ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
+            return [self._err(identity, e.code, str(e.args[0]), **ids)]
+
+    def _push(self, client: ClientInfo, h: dict, frames: list) -> list:
+        msg = h["msg"]
+        seen = client.seen.get(msg)
+        if seen is not None:
+            self.counters["duplicates"] += 1
+            return [] if seen == "pending" else [(FRONT, client.identity, seen)]
+        descs = wire.parse_tensors(h, frames, self.max_tensor_bytes)
+        routed = []
+        for d, fr in zip(descs, frames):
+            try:
+                name, idx = split_key(d.key)
+            except ValueError:
+                raise WireError(Code.UNKNOWN_KEY, f"{d.key!r} is not a block key") from None
+            t = self.catalog.get(name)
+            if t is None or idx >= t.layout.nblocks:
+                raise WireError(Code.UNKNOWN_KEY, f"{d.key} was never initialised")
+            start, stop = t.layout.block_range(idx)
+            if d.shape != (stop - start,) or d.dtype != t.layout.dtype:
+                raise WireError(Code.BAD_SHAPE, f"{d.key}: gradient {d.dtype}{list(d.shape)} does "
+                                                f"not match {t.layout.dtype}[{stop - start}]")
+            p = partition_of(d.key, self.P)
+            if p in self.lost or not self._live(self.owners[p]):
+                raise WireError(Code.SHARD_UNAVAILABLE,
+                                f"{d.key}: partition {p} has no live shard "
+                                f"(owner {self.owners[p] or 'none'})")
+            routed.append((p, d, fr))
+        if not routed:
+            raise WireError(Code.BAD_REQUEST, "push carries no tensors")
+        ref = (client.identity, msg)
+        self.pending[ref] = Pending(client.identity, msg, "push", len(routed))
+        self._remember(client, msg, "pending")
+        client.pushes += 1
+        self.counters["pushes_received"] += 1
+        t_list = h["t"]
+        for (p, d, fr), raw in zip(routed, t_list):
+            self._enqueue(p, {"op": "push"}, raw, fr, ref)
+        return []
+
+    def _remember(self, client: ClientInfo, msg: int, value) -> None:
+        client.seen[msg] = value
+        if len(client.seen) > self.dedupe_window:
+            client.seen.popitem(last=False)
+
+    def _enqueue(self, p: int, entry: dict, raw_desc, frame, ref) -> None:
+        self.pending_entries[p].append((entry, raw_desc, frame, ref))
+        if frame is not None:
+            self.pending_bytes += _flen(frame)
+
+    def _init(self, client: ClientInfo, h: dict, frames: list) -> list:
+        msg = h["msg"]
+        seen = client.seen.get(msg)
+        if seen is not None:
+            return [] if seen == "pending" else [(FRONT, client.identity, seen)]
+        opt = h["opt"]
+        specs.optimizer_from_wire(opt)
+        descs = wire.parse_tensors(h, frames, self.max_tensor_bytes)
+        given = {d.key: (d, raw, fr) for d, raw, fr in zip(descs, h.get("t", []), frames)}
+        created, existing, plan = [], [], []
+        for t in h["tensors"]:
+            layout, rule = self._check_tensor(t)
+            cur = self.catalog.get(layout.name)
+            if cur is not None:
+                if cur.layout.dtype != layout.dtype or cur.layout.shape != layout.shape:
+                    raise WireError(Code.SHAPE_MISMATCH,
+                                    f"{layout.name} exists as {cur.layout.dtype}"
+                                    f"{list(cur.layout.shape)}, init asks "
+                                    f"{layout.dtype}{list(layout.shape)}")
+                existing.append(layout.name)
+                continue
+            if layout.name in created:
+                raise WireError(Code.BAD_REQUEST, f"{layout.name} named twice")
+            for i, key in enumerate(layout.block_keys()):
+                g = None
+                if rule["name"] == "given":
+                    g = given.get(key)
+                    start, stop = layout.block_range(i)
+                    if g is None or g[0].shape != (stop - start,) or g[0].dtype != layout.dtype:
+                        raise WireError(Code.BAD_SHAPE, f"{key}: initial values missing or not "
+                                                        f"{layout.dtype}[{stop - start}]")
+                plan.append((layout, rule, key, g))
+            created.append(layout.name)
+        if plan and not any(s.alive for s in self.shards.values()):
+            raise WireError(Code.NO_SHARDS, "no live shard to place parameters on")
+        for name in created:
+            pass
+        ref = (client.identity, msg)
+        if not plan:
+            reply = [wire.pack(wire.INIT_OK, msg=msg, created=[], existing=existing)]
+            self._remember(client, msg, reply)
+            return [(FRONT, client.identity, reply)]
+        # all checks passed: mutate
+        layouts = {}
+        for layout, rule, key, g in plan:
+            layouts[layout.name] = layout
+            p = partition_of(key, self.P)
+            start, stop = layout.block_range(split_key(key)[1])
+            nbytes = (stop - start) * (8 if layout.dtype == "float64" else 4)
+            owner = self._place(p, nbytes)
+            self.shards[owner].bytes += nbytes
+            entry = {"op": "init", "key": key, "layout": layout.to_wire(), "rule": rule,
+                     "opt": opt}
+            self._enqueue(p, entry, g[1] if g else None, g[2] if g else None, ref)
+        for name, layout in layouts.items():
+            self.catalog[name] = Tensor(layout, opt)
+        self.pending[ref] = Pending(client.identity, msg, "init", len(plan),
+                                    reply={"created": created, "existing": existing})
+        self._remember(client, msg, "pending")
+        actions = [(PUB, self._table_msg())]
+        return actions
+
+    def _check_tensor(self, t) -> tuple[TensorLayout, dict]:
+        if not isinstance(t, dict):
+            raise WireError(Code.BAD_FIELD, "init tensors must be maps")
+        name, dtype, shape, block = t.get("name"), t.get("dtype"), t.get("shape"), t.get("block")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or "\x00" in name:
+            raise WireError(Code.BAD_FIELD, f"tensor name must be a non-empty string, got {name!r}")
+        if dtype not in tcodec.PARAM_DTYPES:
+            raise WireError(Code.BAD_DTYPE, f"{name}: parameters must be float32 or float64, "
+                                            f"not {dtype!r}")
+        if (not isinstance(shape, list) or len(shape) > wire.MAX_NDIM or not all(
+                isinstance(s, int) and not isinstance(s, bool) and 0 < s < 2**40 for s in shape)):
+            raise WireError(Code.BAD_SHAPE, f"{name}: shape must be a list of positive ints")
+        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
+            raise WireError(Code.BAD_FIELD, f"{name}: block must be a positive int")
+        layout = TensorLayout(name, dtype, tuple(shape), block)
+        if min(block, layout.size) * 8 > self.max_tensor_bytes:
+            raise WireError(Code.TOO_LARGE, f"{name}: block of {block} elements above the cap")
+        rule = specs.validate_init_rule(t.get("init", {"name": "given"}))
+        return layout, rule
+
+    def _snapshot(self, client: ClientInfo, h: dict, frames: list) -> list:
+        req = h["req"]
+        by_shard: dict[str, list] = defaultdict(list)
+        for key in h["keys"]:
+            if not isinstance(key, str):
+                raise WireError(Code.BAD_FIELD, "snapshot keys must be strings")
+            try:
+                name, idx = split_key(key)
+            except ValueError:
+                raise WireError(Code.UNKNOWN_KEY, f"{key!r} is not a block key") from None
+            t = self.catalog.get(name)
+            if t is None or idx >= t.layout.nblocks:
+                raise WireError(Code.UNKNOWN_KEY, f"{key} was never initialised")
+            p = partition_of(key, self.P)
+            owner = self.owners[p]
+            if p in self.lost or not self._live(owner):
+                raise WireError(Code.SHARD_UNAVAILABLE,
+                                f"{key}: partition {p} has no live shard (owner {owner or 'none'})")
+            by_shard[owner].append(key)
+        if not by_shard:
+            return [(FRONT, client.identity, [wire.pack(wire.SNAPSHOT_REPLY, req=req, parts=[],
+                                                        of=1, missing=[])])]
+        for sid, keys in by_shard.items():
+            self.shards[sid].queued_snapshots.append((client.identity, req, keys, len(by_shard)))
+        return []
+
+    def _catalog(self, client: ClientInfo, h: dict) -> list:
+        names = h.get("names")
+        if names is not None and not isinstance(names, list):
+            raise WireError(Code.BAD_FIELD, "names must be a list")
+        sel = self.catalog if names is None else {n: self.catalog[n] for n in names
+                                                  if isinstance(n, str) and n in self.catalog}
+        tensors = [{**t.layout.to_wire(), "version": t.version} for t in sel.values()]
+        return [(FRONT, client.identity, [wire.pack(wire.CATALOG_REPLY, req=h["req"],
+                                                    tensors=tensors)])]
+
+    # ------------------------------------------------------------------ batching
+    def flush(self, now: float) -> list:
+        """Turn pending entries into sequenced batches for every shard that has credit."""
+        actions = []
+        if not self.pending_entries and not any(s.queued_snapshots for s in self.shards.values()):
+            return actions
+        per_shard: dict[str, list[int]] = defaultdict(list)
+        for p in self.pending_entries:
+            per_shard[self.owners[p]].append(p)
+        for sid, parts in per_shard.items():
+            s = self.shards.get(sid)
+            if s is None or not s.alive or s.inflight >= self.shard_credit:
+                continue
+            header_parts, t_list, frames, nbytes = [], [], [], 0
+            for p in parts:
+                if nbytes >= self.max_batch_bytes:
+                    break
+                entries = self.pending_entries[p]
+                take = 0
+                for entry, raw, fr, ref in entries:
+                    size = _flen(fr) if fr is not None else 0
+                    if take and nbytes + size > self.max_batch_bytes:
+                        break
+                    nbytes += size
+                    take += 1
+                batch, rest = entries[:take], entries[take:]
+                if rest:
+                    self.pending_entries[p] = rest
+                else:
+                    del self.pending_entries[p]
+                self.seq[p] += 1
+                ents, refs = [], []
+                for entry, raw, fr, ref in batch:
+                    e = dict(entry)
+                    if fr is not None:
+                        e["i"] = len(frames)
+                        t_list.append(raw)
+                        frames.append(fr)
+                        self.pending_bytes -= _flen(fr)
+                    ents.append(e)
+                    refs.append(ref)
+                header_parts.append({"p": p, "seq": self.seq[p], "epoch": self.epochs[p],
+                                     "e": ents})
+                self.inflight[(sid, p, self.seq[p])] = refs
+            hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
+            s.inflight += 1
+            self.counters["batches"] += 1
+            self.counters["batched_entries"] += sum(len(x["e"]) for x in header_parts)
+            actions.append((BACK, s.identity, [hdr, *frames]))
+        for s in self.shards.values():
+            if not s.queued_snapshots or not s.alive:
+                continue
+            keep = []
+            for item in s.queued_snapshots:
+                client, req, keys, of = item
+                if any(self.owners[p] == s.id for p in self.pending_entries
+                       if p in {partition_of(k, self.P) for k in keys}):
+                    keep.append(item)   # an init/push for these partitions is still queued
+                    continue
+                s.snapshots.append((client, req))
+                actions.append((BACK, s.identity, [wire.pack(wire.SNAPSHOT, req=req, client=client,
+                                                             of=of, keys=keys)]))
+            s.queued_snapshots = keep
+        return actions
+
+    # ------------------------------------------------------------------ backend
+    def on_backend(self, identity: bytes, frames: list, now: float) -> list:
+        self.counters["backend_msgs"] += 1
+        try:
+            h = wire.unpack_header(frames[0], wire.BACKEND_KINDS) if frames else None
+            if h is None:
+                raise WireError(Code.BAD_FRAME, "empty message")
+        except WireError as e:
+            self.errors[e.code.value] += 1
+            return [(BACK, identity, [wire.error(e.code, str(e.args[0]))])]
+        kind = h["kind"]
+        if kind == wire.REGISTER:
+            return self._register(identity, h, now)
+        sid = self.by_identity.get(identity)
+        s = self.shards.get(sid) if sid else None
+        if s is None or not s.alive:
+            # Unknown or declared dead: it must register again before anything else counts.
+            self.errors[Code.BAD_REQUEST.value] += 1
+            return [(BACK, identity, [wire.error(Code.BAD_REQUEST, "not registered: send register")])]
+        s.last_seen = now
+        if kind == wire.HEARTBEAT:
+            if isinstance(h.get("info"), dict):
+                s.info = h["info"]
+            return []
+        if kind == wire.APPLIED:
+            return self._applied(s, h, frames[1:])
+        if kind == wire.SNAPSHOT_REPLY:
+            client = h.get("client")
+            if isinstance(client, bytes):
+                try:
+                    s.snapshots.remove((client, h["req"]))
+                except ValueError:
+                    pass
+                return [(FRONT, client, frames)]
+            return []
+        if kind == wire.ERROR:
+            self.errors["shard_" + str(h["code"])] += 1
+            log.warning("shard %s reports %s: %s", s.id, h["code"], h["message"])
+            return []
+        if kind == wire.BYE:
+            return self._shard_dead(s, now, "said bye")
+        return []
+
+    def _register(self, identity: bytes, h: dict, now: float) -> list:
+        sid = h["shard"]
+        s = self.shards.get(sid)
+        actions = []
+        if s is None:
+            s = self.shards[sid] = ShardInfo(sid, identity, now)
+            log.info("shard %s registered", sid)
+        else:
+            held = h.get("holds", [])
+            # A shard that comes back without its partitions lost them (no replica yet).
+            if s.alive:
+                actions += self._shard_dead(s, now, "re-registered")
+            for p in list(s.partitions):
+                if p not in held:
+                    self.lost.add(p)
+            s.identity, s.alive, s.last_seen, s.inflight = identity, True, now, 0
+            log.info("shard %s re-registered", sid)
+        self.by_identity[identity] = sid
+        self.table_version += 1
+        actions.append((BACK, identity, [wire.pack(wire.REGISTERED, shard=sid, partitions=self.P)]))
+        actions.append((PUB, self._table_msg()))
+        return actions
+
+    def _applied(self, s: ShardInfo, h: dict, frames: list) -> list:
+        actions = []
+        s.inflight = max(0, s.inflight - 1)
+        pos = 0
+        for part in h["parts"]:
+            p, seq, n = part["p"], part["seq"], part["n"]
+            pub = frames[pos:pos + 1 + n]
+            pos += 1 + n
+            actions.append((PUB, [wire.topic_partition(p), *pub]))
+            refs = self.inflight.pop((s.id, p, seq), [])
+            errs = {e[0]: e for e in part.get("errors", [])}
+            for i, ref in enumerate(refs):
+                e = errs.get(i)
+                actions += self._settle(ref, (e[1], e[2]) if e else None)
+            for key, ver in part.get("vers", {}).items():
+                try:
+                    name, idx = split_key(key)
+                except ValueError:
+                    continue
+                t = self.catalog.get(name)
+                if t is not None:
+                    t.versions[idx] = ver
+            self.counters["pushes_applied"] += 0  # counted in _settle
+        return actions
+
+    def _settle(self, ref, error) -> list:
+        pend = self.pending.get(ref)
+        if pend is None:
+            return []
+        if error and pend.error is None:
+            pend.error = error
+        pend.remaining -= 1
+        if pend.remaining > 0:
+            return []
+        del self.pending[ref]
+        client = self.clients.get(pend.client)
+        if pend.error:
+            code, message = pend.error
+            self.errors[str(code)] += 1
+            reply = [wire.error(code, message, msg=pend.msg)]
+        elif pend.kind == "push":
+            self.counters["pushes_applied"] += 1
+            reply = [wire.pack(wire.ACK, msg=pend.msg)]
+        else:
+            reply = [wire.pack(wire.INIT_OK, msg=pend.msg, **pend.reply)]
+        if client is not None:
+            self._remember(client, pend.msg, reply)
+        return [(FRONT, pend.client, reply)]
+
+    def _shard_dead(self, s: ShardInfo, now: float, why: str) -> list:
+        log.warning("shard %s declared dead (%s)", s.id, why)
+        s.alive = False
+        self.counters["shards_lost"] += 1
+        actions = []
+        err = (Code.SHARD_UNAVAILABLE.value, f"shard {s.id} died before applying ({why})")
+        for key in [k for k in self.inflight if k[0] == s.id]:
+            for ref in self.inflight.pop(key):
+                actions += self._settle(ref, err)
+        for p in [p for p in self.pending_entries if self.owners[p] == s.id]:
+            for entry, raw, fr, ref in self.pending_entries.pop(p):
+                if fr is not None:
+                    self.pending_bytes -= _flen(fr)
+                actions += self._settle(ref, err)
+        for client, req in s.snapshots + [(c, r) for c, r, _, _ in s.queued_snapshots]:
+            actions.append(self._err(client, Code.SHARD_UNAVAILABLE, err[1], req=req))
+        s.snapshots, s.queued_snapshots, s.inflight = [], [], 0
+        self.table_version += 1
+        actions.append((PUB, self._table_msg()))
+        return actions
+
+    # ------------------------------------------------------------------ clock
+    def on_tick(self, now: float) -> list:
+        actions = []
+        deadline = self.hb_interval * self.liveness
+        for s in list(self.shards.values()):
+            if s.alive and now - s.last_seen > deadline:
+                actions += self._shard_dead(s, now, f"silent {now - s.last_seen:.2f}s")
+        for ident, c in list(self.clients.items()):
+            if now - c.last_seen > self.hb_interval * self.client_liveness and not any(
+                    ref[0] == ident for ref in self.pending):
+                del self.clients[ident]
+        if now - self.last_hb_sent >= self.hb_interval:
+            self.last_hb_sent = now
+            hb = wire.pack(wire.HEARTBEAT)
+            for s in self.shards.values():
+                if s.alive:
+                    actions.append((BACK, s.identity, [hb]))
+            actions.append((PUB, [wire.TOPIC_HEARTBEAT, hb]))
+        return actions
+
+    # ------------------------------------------------------------------ status
+    def status(self, now: float) -> dict:
+        shards = []
+        for s in sorted(self.shards.values(), key=lambda s: s.id):
+            shards.append({"id": s.id, "alive": s.alive, "partitions": len(s.partitions),
+                           "bytes": s.bytes, "inflight": s.inflight,
+                           "last_seen_s": round(now - s.last_seen, 3), "info": s.info})
+        workers = [{"id": c.identity.hex(), "pushes": c.pushes,
+                    "last_seen_s": round(now - c.last_seen, 3)}
+                   for c in self.clients.values()]
+        tensors = [{"name": n, "dtype": t.layout.dtype, "shape": list(t.layout.shape),
+                    "blocks": t.layout.nblocks, "version": t.version,
+                    "optimizer": t.opt.get("name")} for n, t in sorted(self.catalog.items())]
+        down = sorted(p for p in range(self.P) if self.owners[p] and
+                      (p in self.lost or not self._live(self.owners[p])))
+        return {"uptime_s": round(now - self.started, 3), "partitions": self.P,
+                "partitions_assigned": sum(1 for o in self.owners if o),
+                "partitions_down": down, "table_version": self.table_version,
+                "shards": shards, "workers": workers, "tensors": tensors,
+                "pending_bytes": self.pending_bytes, "counters": dict(self.counters),
+                "errors": dict(self.errors)}
+
+    def validate_state(self) -> None:
+        """Invariants, for tests: raises AssertionError-free RuntimeError when broken."""
+        problems = []
+        if self.pending_bytes < 0:
+            problems.append(f"pending_bytes {self.pending_bytes} < 0")
+        for (sid, p, seq) in self.inflight:
+            if self.owners[p] != sid:
+                problems.append(f"in-flight batch {p}/{seq} on {sid} but owner is {self.owners[p]}")
+        for p, o in enumerate(self.owners):
+            if o is not None and o not in self.shards:
+                problems.append(f"partition {p} owned by unknown shard {o}")
+        if problems:
+            raise RuntimeError("; ".join(problems))

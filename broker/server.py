@@ -1,0 +1,148 @@
+"""The broker process: three sockets around :class:`~gradbus.broker.core.BrokerCore`.
+
+* frontend ROUTER (clients; shards' discovery HELLO), ``ROUTER_MANDATORY`` and ``ROUTER_HANDOVER``;
+* backend ROUTER (shards), same options;
+* events XPUB (weight updates by partition topic, the partition table, heartbeats).
+
+The loop drains what is ready (backend first, so credit returns before new work is batched),
+then flushes batches: pushes that arrived together for a partition go to its shard as one batch.
+Tensor frames are received with ``copy=False`` and sent on as the same frames.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import zmq
+
+from gradbus.codecs import timing
+
+from .core import BACK, FRONT, PUB, BrokerCore
+
+log = logging.getLogger("gradbus.broker")
+
+EVENTS_SNDHWM = 64        # messages queued per subscriber before XPUB drops (clients re-snapshot)
+FRONTEND_RCVHWM = 1000    # messages queued from clients before TCP back-pressure
+DRAIN_MAX = 512           # messages read from one socket before flushing
+
+
+class BrokerServer:
+    def __init__(self, host: str = "127.0.0.1", port: int = 5555, *, backend_port: int = 0,
+                 events_port: int = 0, batch_window: float = 0.0, clock=time.monotonic,
+                 ctx: zmq.Context | None = None, **core_kw):
+        self.clock = clock
+        self.batch_window = batch_window
+        self.core = BrokerCore(now=clock(), **core_kw)
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.host = host
+        self.frontend = self._router()
+        self.backend = self._router()
+        self.events = self.ctx.socket(zmq.XPUB)
+        self.events.linger = 0
+        self.events.sndhwm = EVENTS_SNDHWM
+        self.frontend.rcvhwm = FRONTEND_RCVHWM
+        self.port = self._bind(self.frontend, port)
+        self.backend_port = self._bind(self.backend, backend_port)
+        self.events_port = self._bind(self.events, events_port)
+        self.core.ports = {"events": self.events_port, "backend": self.backend_port}
+        self.stopping = threading.Event()
+        self.send_failures = 0
+
+    def _router(self):
+        s = self.ctx.socket(zmq.ROUTER)
+        s.linger = 0
+        s.router_mandatory = 1
+        s.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        s.sndtimeo = 1000
+        return s
+
+    def _bind(self, sock, port: int) -> int:
+        if port == 0:
+            return sock.bind_to_random_port(f"tcp://{self.host}")
+        sock.bind(f"tcp://{self.host}:{port}")
+        return port
+
+    @property
+    def url(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+    def _do(self, actions) -> None:
+        for act in actions:
+            try:
+                if act[0] == PUB:
+                    self.events.send_multipart(act[1], copy=False)
+                else:
+                    sock = self.frontend if act[0] == FRONT else self.backend
+                    sock.send_multipart([act[1], *act[2]], copy=False)
+            except zmq.ZMQError as e:
+                # Peer gone (EHOSTUNREACH) or stuck past SNDTIMEO: count it, keep serving.
+                self.send_failures += 1
+                self.core.errors["send_" + (zmq.strerror(e.errno) or str(e.errno))] += 1
+
+    def _drain(self, sock, handler, limit: int) -> int:
+        n = 0
+        while n < limit:
+            try:
+                msg = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            n += 1
+            if len(msg) < 2:
+                continue  # ROUTER always gives identity + at least one frame; ignore otherwise
+            self._do(handler(msg[0].bytes, msg[1:], self.clock()))
+        return n
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.backend, zmq.POLLIN)
+        front_registered = False
+        tick_every = self.core.hb_interval / 2
+        next_tick = self.clock()
+        first_pending = None
+        try:
+            while not self.stopping.is_set():
+                accepting = self.core.accepting()
+                if accepting and not front_registered:
+                    poller.register(self.frontend, zmq.POLLIN)
+                    front_registered = True
+                elif not accepting and front_registered:
+                    poller.unregister(self.frontend)   # back-pressure: clients' HWM fills
+                    front_registered = False
+                now = self.clock()
+                timeout = max(0.0, next_tick - now)
+                if first_pending is not None:
+                    timeout = min(timeout, max(0.0, first_pending + self.batch_window - now))
+                events = dict(poller.poll(min(timeout, 0.05) * 1000))
+                if self.backend in events:
+                    self._drain(self.backend, self.core.on_backend, DRAIN_MAX)
+                if front_registered and self.frontend in events:
+                    self._drain(self.frontend, self.core.on_frontend, DRAIN_MAX)
+                now = self.clock()
+                if self.core.pending_entries or any(s.queued_snapshots
+                                                    for s in self.core.shards.values()):
+                    if first_pending is None:
+                        first_pending = now
+                    if now - first_pending >= self.batch_window:
+                        self._do(self.core.flush(now))
+                        first_pending = None if not self.core.pending_entries else now
+                if now >= next_tick:
+                    self._do(self.core.on_tick(now))
+                    next_tick = now + tick_every
+        finally:
+            self.close()
+
+    def start_thread(self) -> threading.Thread:
+        t = threading.Thread(target=self.run, name="gradbus-broker", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def close(self) -> None:
+        for s in (self.frontend, self.backend, self.events):
+            s.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()

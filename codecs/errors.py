@@ -1,0 +1,78 @@
+"""Error codes carried in ERROR messages, and the exception types that map to them.
+
+A code is a short stable string; the numeric value is for metrics and exit statuses.
+"""
+from __future__ import annotations
+
+import enum
+
+
+class Code(str, enum.Enum):
+    BAD_FRAME = "BAD_FRAME"                # not msgpack, not a map, wrong frame count
+    BAD_VERSION = "BAD_VERSION"            # unsupported protocol version
+    UNKNOWN_KIND = "UNKNOWN_KIND"          # message kind not known to the receiver
+    BAD_FIELD = "BAD_FIELD"                # a header field missing or of the wrong type
+    BAD_DTYPE = "BAD_DTYPE"                # dtype not in the allow-list
+    BAD_SHAPE = "BAD_SHAPE"                # shape invalid or not matching the bytes
+    TOO_LARGE = "TOO_LARGE"                # decoded size above the cap
+    BAD_CHECKSUM = "BAD_CHECKSUM"          # tensor bytes do not match the checksum
+    BAD_CODEC = "BAD_CODEC"                # unknown or inconsistent codec chain, or undecodable data
+    UNKNOWN_KEY = "UNKNOWN_KEY"            # the key was never initialised
+    SHAPE_MISMATCH = "SHAPE_MISMATCH"      # init of an existing key with another shape/dtype
+    SHARD_UNAVAILABLE = "SHARD_UNAVAILABLE"  # the shard owning the key is dead or absent
+    NO_SHARDS = "NO_SHARDS"                # no live shard to place a new partition on
+    NOT_FINITE = "NOT_FINITE"              # NaN or Inf in a gradient
+    BAD_REQUEST = "BAD_REQUEST"            # well-formed but not acceptable
+    INTERNAL = "INTERNAL"                  # a bug: the receiver failed handling a valid message
+
+
+class GradbusError(Exception):
+    """Base of every error gradbus raises to a user."""
+
+    code: Code = Code.INTERNAL
+
+    def __init__(self, message: str, code: Code | str | None = None):
+        super().__init__(message)
+        if code is not None:
+            self.code = Code(code) if code in Code._value2member_map_ else code  # type: ignore[assignment]
+
+    def __str__(self) -> str:  # "CODE: message"
+        code = self.code.value if isinstance(self.code, Code) else self.code
+        return f"{code}: {self.args[0]}"
+
+
+class WireError(GradbusError):
+    """A message failed validation; ``code`` says which rule."""
+
+    def __init__(self, code: Code, message: str):
+        super().__init__(message, code)
+
+
+class ShardUnavailableError(GradbusError):
+    code = Code.SHARD_UNAVAILABLE
+
+
+class UnknownKeyError(GradbusError, KeyError):
+    code = Code.UNKNOWN_KEY
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return GradbusError.__str__(self)
+
+
+class BackPressureError(GradbusError):
+    """The client's credit window stayed full for the whole timeout."""
+
+    code = Code.BAD_REQUEST
+
+
+class ClosedError(GradbusError):
+    """The client was closed."""
+
+
+def error_from(code: str, message: str) -> GradbusError:
+    """Build the exception a user sees for an ERROR reply."""
+    if code == Code.SHARD_UNAVAILABLE or code == Code.NO_SHARDS:
+        return ShardUnavailableError(message, code)
+    if code == Code.UNKNOWN_KEY:
+        return UnknownKeyError(message)
+    return GradbusError(message, code)

@@ -1,0 +1,59 @@
+"""Small socket helpers shared by every process: address parsing and the discovery handshake.
+
+Every process needs only the broker's client URL; a HELLO on it returns the other ports.
+"""
+from __future__ import annotations
+
+import os
+import time
+from urllib.parse import urlsplit
+
+import zmq
+
+from . import wire
+from .errors import GradbusError
+
+DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+
+
+def default_broker() -> str:
+    return os.environ.get("GRADBUS_BROKER") or DEFAULT_BROKER
+
+
+def split_url(url: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port), with a clear error for anything else."""
+    parts = urlsplit(url)
+    if parts.scheme != "tcp" or not parts.hostname or parts.port is None:
+        raise GradbusError(f"broker URL must look like tcp://HOST:PORT, got {url!r}")
+    return parts.hostname, parts.port
+
+
+def url(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
+          configure=None) -> dict:
+    """Ask the broker for its ports. Retries with back-off until ``timeout`` seconds pass."""
+    split_url(broker_url)
+    deadline = time.monotonic() + timeout
+    wait = 0.2
+    while True:
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        if configure:
+            configure(s)
+        try:
+            s.connect(broker_url)
+            s.send(wire.pack(wire.HELLO, role=role))
+            left = deadline - time.monotonic()
+            if s.poll(int(max(0.0, min(wait, left)) * 1000), zmq.POLLIN):
+                h = wire.unpack_header(s.recv(), frozenset({wire.WELCOME, wire.ERROR}))
+                if h["kind"] == wire.ERROR:
+                    raise GradbusError(h["message"], h["code"])
+                return h
+        finally:
+            s.close()
+        if time.monotonic() >= deadline:
+            raise GradbusError(f"no broker answered at {broker_url} within {timeout:.1f}s")
+        wait = min(wait * 2, 2.0)

@@ -1,0 +1,160 @@
+"""Optimizer and initializer specs: what an INIT message says, validated at every boundary.
+
+The math lives in ``gradbus.shards.optim`` (optimizers) and ``gradbus.shards.store``
+(initializers); these classes only name a rule and its hyper-parameters.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .errors import Code, WireError
+
+
+def _num(d: dict, name: str, lo: float = -math.inf, hi: float = math.inf,
+         lo_open: bool = False) -> float:
+    v = d.get(name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise WireError(Code.BAD_FIELD, f"{name} must be a finite number, got {v!r}")
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise WireError(Code.BAD_FIELD, f"{name}={v} out of range")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class SGD:
+    """``w -= lr * g``; with momentum ``v = momentum*v + g; w -= lr * v``."""
+
+    lr: float
+    momentum: float = 0.0
+    name: str = field(default="sgd", init=False)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Adam:
+    """Adam with bias correction (Kingma & Ba)."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    name: str = field(default="adam", init=False)
+
+    def to_wire(self) -> dict:
+        return {"name": "adam", "lr": self.lr, "betas": list(self.betas), "eps": self.eps}
+
+
+@dataclass(frozen=True)
+class Adagrad:
+    """``h += g*g; w -= lr * g / (sqrt(h) + eps)``."""
+
+    lr: float
+    eps: float = 1e-10
+    name: str = field(default="adagrad", init=False)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
+Optimizer = SGD | Adam | Adagrad
+
+
+def optimizer_from_wire(d) -> Optimizer:
+    if not isinstance(d, dict):
+        raise WireError(Code.BAD_FIELD, "optimizer must be a map")
+    name = d.get("name")
+    if name == "sgd":
+        return SGD(_num(d, "lr", 0, lo_open=True), _num(d, "momentum", 0, 1) if "momentum" in d else 0.0)
+    if name == "adam":
+        betas = d.get("betas", [0.9, 0.999])
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise WireError(Code.BAD_FIELD, "adam betas must be two numbers")
+        b = {"b1": betas[0], "b2": betas[1]}
+        return Adam(_num(d, "lr", 0, lo_open=True), (_num(b, "b1", 0, 1), _num(b, "b2", 0, 1)),
+                    _num(d, "eps", 0, lo_open=True) if "eps" in d else 1e-8)
+    if name == "adagrad":
+        return Adagrad(_num(d, "lr", 0, lo_open=True),
+                       _num(d, "eps", 0, lo_open=True) if "eps" in d else 1e-10)
+    raise WireError(Code.BAD_FIELD, f"unknown optimizer {name!r}")
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """Base: a shape, a dtype and a rule the shard applies block by block."""
+
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+
+    def params(self) -> dict:
+        return {}
+
+    def to_wire(self) -> dict:
+        return {"name": self.kind, **self.params()}
+
+    kind = ""
+
+
+@dataclass(frozen=True)
+class Zeros(Initializer):
+    kind = "zeros"
+
+
+@dataclass(frozen=True)
+class Constant(Initializer):
+    value: float = 0.0
+    kind = "constant"
+
+    def params(self) -> dict:
+        return {"value": self.value}
+
+
+@dataclass(frozen=True)
+class Normal(Initializer):
+    mean: float = 0.0
+    std: float = 1.0
+    seed: int = 0
+    kind = "normal"
+
+    def params(self) -> dict:
+        return {"mean": self.mean, "std": self.std, "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class Uniform(Initializer):
+    low: float = -1.0
+    high: float = 1.0
+    seed: int = 0
+    kind = "uniform"
+
+    def params(self) -> dict:
+        return {"low": self.low, "high": self.high, "seed": self.seed}
+
+
+def validate_init_rule(d) -> dict:
+    """Check an initializer rule from the wire; returns it (a plain map)."""
+    if not isinstance(d, dict):
+        raise WireError(Code.BAD_FIELD, "init rule must be a map")
+    name = d.get("name")
+    if name in ("given", "zeros"):
+        return d
+    if name == "constant":
+        _num(d, "value")
+    elif name == "normal":
+        _num(d, "mean"), _num(d, "std", 0)
+        _int_seed(d)
+    elif name == "uniform":
+        lo, hi = _num(d, "low"), _num(d, "high")
+        if hi < lo:
+            raise WireError(Code.BAD_FIELD, "uniform needs low <= high")
+        _int_seed(d)
+    else:
+        raise WireError(Code.BAD_FIELD, f"unknown initializer {name!r}")
+    return d
+
+
+def _int_seed(d: dict) -> None:
+    s = d.get("seed", 0)
+    if isinstance(s, bool) or not isinstance(s, int) or s < 0 or s >= 2**63:
+        raise WireError(Code.BAD_FIELD, "seed must be a non-negative int64")

@@ -1,0 +1,236 @@
+"""The gradbus wire format. This module is the only one that packs or unpacks a message.
+
+A message is a list of ZeroMQ frames::
+
+    [routing frames...]  header  tensor_0  tensor_1 ...  tensor_{n-1}
+
+* routing frames are added and removed by ROUTER sockets (identity) and XPUB (topic); they are not
+  part of the message proper.
+* ``header`` is a msgpack map: ``{"v": PROTOCOL, "kind": str, ...kind fields..., "t": [desc...]}``.
+* Each tensor frame is raw bytes described by one entry of ``"t"``, in order::
+
+      {"k": key, "d": dtype, "s": [shape], "c": codec chain, "n": encoded bytes,
+       "x": xxh3-64 checksum of the encoded bytes, "ver": version (optional)}
+
+Tensors never travel pickled. A receiver validates, before using anything: the frame count against
+``len(t)``, the protocol version, the kind against its allow-list, the required header fields and
+their types (:data:`SCHEMA`), the dtype allow-list, that the shape is a list of non-negative ints
+whose decoded size is under the cap, that each frame's length equals its ``n`` (and, for fixed-size
+codecs, ``prod(shape) * stage itemsize``), and, where the tensor is decoded, the checksum.
+A violation raises :class:`~gradbus.codecs.errors.WireError` with a code.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import xxhash
+
+from . import tensor as tcodec
+from .errors import Code, WireError
+
+PROTOCOL = 1
+MAX_HEADER_BYTES = 4 << 20        # a header above this is refused before unpacking
+MAX_TENSORS = 65536               # tensors in one message
+MAX_TENSOR_BYTES = 1 << 30        # default cap on one decoded tensor (1 GiB)
+MAX_NDIM = 8
+
+# Message kinds. Frontend = clients and shards' discovery; backend = shards; events = XPUB.
+HELLO, WELCOME = "hello", "welcome"
+INIT, INIT_OK = "init", "init_ok"
+PUSH, ACK = "push", "ack"
+SNAPSHOT, SNAPSHOT_REPLY = "snapshot", "snapshot_reply"
+CATALOG, CATALOG_REPLY = "catalog", "catalog_reply"
+STATUS, STATUS_REPLY = "status", "status_reply"
+HEARTBEAT, BYE, ERROR = "heartbeat", "bye", "error"
+REGISTER, REGISTERED = "register", "registered"
+BATCH, APPLIED = "batch", "applied"
+UPDATE, TABLE = "update", "table"
+
+_INT = (int,)
+_STR = (str,)
+_LIST = (list,)
+_MAP = (dict,)
+_BIN = (bytes,)
+
+#: kind -> {field: (allowed types, required)}. Fields not named are ignored.
+SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
+    HELLO: {"role": (_STR, True)},
+    WELCOME: {"events": (_INT, True), "backend": (_INT, True), "partitions": (_INT, True)},
+    INIT: {"msg": (_INT, True), "opt": (_MAP, True), "tensors": (_LIST, True)},
+    INIT_OK: {"msg": (_INT, True), "created": (_LIST, True), "existing": (_LIST, True)},
+    PUSH: {"msg": (_INT, True), "acks": (_INT, True)},
+    ACK: {"msg": (_INT, True)},
+    SNAPSHOT: {"req": (_INT, True), "keys": (_LIST, True)},
+    SNAPSHOT_REPLY: {"req": (_INT, True), "parts": (_LIST, True)},
+    CATALOG: {"req": (_INT, True)},
+    CATALOG_REPLY: {"req": (_INT, True), "tensors": (_LIST, True)},
+    STATUS: {"req": (_INT, True)},
+    STATUS_REPLY: {"req": (_INT, True), "status": (_MAP, True)},
+    HEARTBEAT: {},
+    BYE: {},
+    ERROR: {"code": (_STR, True), "message": (_STR, True)},
+    REGISTER: {"shard": (_STR, True)},
+    REGISTERED: {"shard": (_STR, True)},
+    BATCH: {"parts": (_LIST, True)},
+    APPLIED: {"parts": (_LIST, True)},
+    UPDATE: {"p": (_INT, True), "seq": (_INT, True), "epoch": (_INT, True)},
+    TABLE: {"version": (_INT, True), "owners": (_LIST, True)},
+}
+
+FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, CATALOG, STATUS, HEARTBEAT, BYE})
+BACKEND_KINDS = frozenset({REGISTER, HEARTBEAT, APPLIED, SNAPSHOT_REPLY, ERROR, BYE})
+SHARD_KINDS = frozenset({REGISTERED, HEARTBEAT, BATCH, SNAPSHOT, ERROR})
+CLIENT_KINDS = frozenset({WELCOME, INIT_OK, ACK, SNAPSHOT_REPLY, CATALOG_REPLY, STATUS_REPLY,
+                          ERROR, UPDATE, TABLE, HEARTBEAT})
+
+
+def checksum(buf) -> int:
+    """xxh3-64 of a frame's bytes (about 20x faster than CRC-32 here)."""
+    return xxhash.xxh3_64_intdigest(buf)
+
+
+@dataclass(slots=True)
+class TensorDesc:
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    codec: str
+    nbytes: int
+    checksum: int
+    version: int | None = None
+
+    def to_wire(self) -> dict:
+        d = {"k": self.key, "d": self.dtype, "s": list(self.shape), "c": self.codec,
+             "n": self.nbytes, "x": self.checksum}
+        if self.version is not None:
+            d["ver"] = self.version
+        return d
+
+
+def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | None = None):
+    """Encode one tensor: returns ``(desc dict, frame buffer)``."""
+    applied, buf = tcodec.encode(arr, chain)
+    mv = memoryview(buf)
+    desc = {"k": key, "d": arr.dtype.name, "s": list(arr.shape), "c": applied,
+            "n": mv.nbytes, "x": checksum(mv)}
+    if version is not None:
+        desc["ver"] = version
+    return desc, buf
+
+
+def _bad(code: Code, msg: str):
+    raise WireError(code, msg)
+
+
+def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
+    """Validate one tensor descriptor (no frame needed)."""
+    if not isinstance(d, dict):
+        _bad(Code.BAD_FIELD, "tensor descriptor must be a map")
+    key, dtype, shape, codec, n, x = (d.get(f) for f in ("k", "d", "s", "c", "n", "x"))
+    if not isinstance(key, str) or not key or len(key) > 512:
+        _bad(Code.BAD_FIELD, "tensor key must be a non-empty string")
+    if not isinstance(dtype, str) or dtype not in tcodec.ALLOWED_DTYPES:
+        _bad(Code.BAD_DTYPE, f"{key}: dtype {dtype!r} is not allowed")
+    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**40
+                       for s in shape)):
+        _bad(Code.BAD_SHAPE, f"{key}: shape must be a list of at most {MAX_NDIM} non-negative ints")
+    size = 1
+    for s in shape:
+        size *= s
+    itemsize = np.dtype(dtype).itemsize
+    if size * itemsize > max_tensor_bytes:
+        _bad(Code.TOO_LARGE, f"{key}: {size * itemsize} B decoded is above the cap of "
+                             f"{max_tensor_bytes} B")
+    if not isinstance(codec, str):
+        _bad(Code.BAD_CODEC, f"{key}: codec must be a string")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        _bad(Code.BAD_FIELD, f"{key}: n must be a non-negative int")
+    if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < 2**64:
+        _bad(Code.BAD_FIELD, f"{key}: x (checksum) must be a uint64")
+    fixed = tcodec.encoded_len_fixed(codec, dtype, shape)  # raises BAD_CODEC
+    if fixed is not None and fixed != n:
+        _bad(Code.BAD_SHAPE, f"{key}: shape {shape} of {dtype} with codec {codec} needs "
+                             f"{fixed} bytes, header says {n}")
+    ver = d.get("ver")
+    if ver is not None and (not isinstance(ver, int) or isinstance(ver, bool) or ver < 0):
+        _bad(Code.BAD_FIELD, f"{key}: ver must be a non-negative int")
+    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver)
+
+
+def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:
+    """Unpack and validate a header frame: size, msgpack, map, version, kind, fields."""
+    buf = frame.bytes if hasattr(frame, "bytes") else frame
+    if len(buf) > MAX_HEADER_BYTES:
+        _bad(Code.BAD_FRAME, f"header of {len(buf)} B above {MAX_HEADER_BYTES} B")
+    try:
+        h = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for garbage
+        _bad(Code.BAD_FRAME, f"header is not msgpack: {type(e).__name__}")
+    if not isinstance(h, dict):
+        _bad(Code.BAD_FRAME, "header must be a msgpack map")
+    if h.get("v") != PROTOCOL:
+        _bad(Code.BAD_VERSION, f"protocol version {h.get('v')!r} not supported (want {PROTOCOL})")
+    kind = h.get("kind")
+    if kind not in allowed_kinds:
+        _bad(Code.UNKNOWN_KIND, f"message kind {kind!r} is not accepted here")
+    for name, (types, required) in SCHEMA[kind].items():
+        if name not in h:
+            if required:
+                _bad(Code.BAD_FIELD, f"{kind}: field {name!r} missing")
+            continue
+        v = h[name]
+        if not isinstance(v, types) or (isinstance(v, bool) and bool not in types):
+            _bad(Code.BAD_FIELD, f"{kind}: field {name!r} has type {type(v).__name__}")
+    t = h.get("t", [])
+    if not isinstance(t, list) or len(t) > MAX_TENSORS:
+        _bad(Code.BAD_FIELD, f"{kind}: 't' must be a list of at most {MAX_TENSORS} descriptors")
+    return h
+
+
+def parse_tensors(h: dict, frames, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> list[TensorDesc]:
+    """Validate the descriptors in ``h['t']`` against ``frames`` (the tensor frames)."""
+    t = h.get("t", [])
+    if len(frames) != len(t):
+        _bad(Code.BAD_FRAME, f"{h['kind']}: header describes {len(t)} tensors, "
+                             f"{len(frames)} frames came")
+    descs = [parse_desc(d, max_tensor_bytes) for d in t]
+    for desc, fr in zip(descs, frames):
+        size = len(fr) if not hasattr(fr, "buffer") else fr.buffer.nbytes
+        if size != desc.nbytes:
+            _bad(Code.BAD_SHAPE, f"{desc.key}: frame has {size} bytes, header says {desc.nbytes}")
+    return descs
+
+
+def decode_tensor(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BYTES,
+                  verify: bool = True) -> np.ndarray:
+    """Checksum then decode one frame; the result may be a read-only view of the frame."""
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if verify and checksum(buf) != desc.checksum:
+        _bad(Code.BAD_CHECKSUM, f"{desc.key}: checksum mismatch")
+    return tcodec.decode(buf, desc.codec, desc.dtype, desc.shape, max_tensor_bytes)
+
+
+def pack(kind: str, descs: list | None = None, /, **fields) -> bytes:
+    """Pack a header. ``descs`` is the list of tensor descriptor maps (or TensorDesc)."""
+    h = {"v": PROTOCOL, "kind": kind}
+    h.update(fields)
+    if descs:
+        h["t"] = [d.to_wire() if isinstance(d, TensorDesc) else d for d in descs]
+    return msgpack.packb(h, use_bin_type=True)
+
+
+def error(code: Code | str, message: str, **fields) -> bytes:
+    return pack(ERROR, code=str(code.value if isinstance(code, Code) else code),
+                message=message[:1000], **fields)
+
+
+def topic_partition(p: int) -> bytes:
+    """XPUB topic of a partition's weight updates: ``b"p" + 2-byte big-endian id``."""
+    return b"p" + p.to_bytes(2, "big")
+
+
+TOPIC_TABLE = b"t"
+TOPIC_HEARTBEAT = b"h"

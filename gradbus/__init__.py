@@ -1,0 +1,20 @@
+"""gradbus: an asynchronous parameter server over a ZeroMQ broker.
+
+>>> import gradbus, numpy as np                                    # doctest: +SKIP
+>>> c = gradbus.connect("tcp://127.0.0.1:5555")
+>>> c.init({"w": np.zeros(4, np.float32)}, optimizer=gradbus.SGD(lr=0.5))
+>>> c.push({"w": np.ones(4, np.float32)}).result()
+>>> c.pull(min_version=1)["w"]
+array([-0.5, -0.5, -0.5, -0.5], dtype=float32)
+"""
+__version__ = "0.1.0"
+
+from gradbus.codecs.errors import (BackPressureError, ClosedError, GradbusError,  # noqa: E402
+                                   ShardUnavailableError, UnknownKeyError)
+from gradbus.codecs.specs import (SGD, Adagrad, Adam, Constant, Normal, Uniform,  # noqa: E402
+                                  Zeros)
+from gradbus.workers.client import Client, connect  # noqa: E402
+
+__all__ = ["connect", "Client", "SGD", "Adam", "Adagrad", "Zeros", "Constant", "Normal",
+           "Uniform", "GradbusError", "ShardUnavailableError", "UnknownKeyError",
+           "BackPressureError", "ClosedError", "__version__"]

@@ -1,0 +1,3 @@
+from gradbus.cli import main
+
+main()

@@ -1,0 +1,217 @@
+"""The ``gradbus`` command: broker, shard, up, demo, status."""
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+import threading
+import time
+
+import click
+
+from gradbus.codecs import net, timing
+from gradbus.codecs.errors import GradbusError
+from gradbus.codecs.partition import DEFAULT_PARTITIONS
+
+broker_option = click.option(
+    "--broker", "broker_url", default=net.default_broker, show_default="$GRADBUS_BROKER or "
+    + net.DEFAULT_BROKER, help="The broker's client URL.")
+
+
+def _logging(verbose: int) -> None:
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def _on_signals(stop) -> None:
+    def handler(signum, frame):
+        stop()
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="gradbus")
+def main() -> None:
+    """gradbus: an asynchronous parameter server over a ZeroMQ broker."""
+
+
+@main.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535),
+              help="Client port (0: a free one).")
+@click.option("--backend-port", default=0, type=click.IntRange(0, 65535),
+              help="Shard port (0: a free one; shards learn it from the client port).")
+@click.option("--events-port", default=0, type=click.IntRange(0, 65535),
+              help="Events (weights) port (0: a free one).")
+@click.option("--partitions", default=DEFAULT_PARTITIONS, show_default=True,
+              type=click.IntRange(1, 65535), help="Partition count, fixed for the cluster's life.")
+@click.option("--batch-window", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Seconds to wait gathering pushes into a batch (0: batch what arrived together).")
+@click.option("--shard-credit", default=4, show_default=True, type=click.IntRange(1, 1024),
+              help="Batches in flight to one shard.")
+@click.option("--max-pending-mb", default=512, show_default=True, type=click.IntRange(1),
+              help="Queued tensor MiB above which the broker stops reading clients.")
+@click.option("-v", "--verbose", count=True)
+def broker(host, port, backend_port, events_port, partitions, batch_window, shard_credit,
+           max_pending_mb, verbose):
+    """Run a broker in the foreground. Prints 'listening: URL' when bound."""
+    _logging(verbose)
+    from gradbus.broker.server import BrokerServer
+    try:
+        srv = BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
+                           partitions=partitions, batch_window=batch_window,
+                           shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20)
+    except Exception as e:
+        raise click.ClickException(f"cannot start broker: {e}")
+    _on_signals(srv.stop)
+    click.echo(f"listening: {srv.url}", nl=True)
+    sys.stdout.flush()
+    srv.run()
+
+
+@main.command()
+@broker_option
+@click.option("--id", "shard_id", default=None, help="Shard id (default: a random one).")
+@click.option("--weights-codec", default="raw", show_default=True,
+              help="Codec chain for republished weights (raw, bf16, fp16, ...|zstd).")
+@click.option("--nan-policy", type=click.Choice(["refuse", "allow"]), default="refuse",
+              show_default=True, help="What to do with a gradient holding NaN or Inf.")
+@click.option("-v", "--verbose", count=True)
+def shard(broker_url, shard_id, weights_codec, nan_policy, verbose):
+    """Run a shard in the foreground; it needs only the broker's client URL."""
+    _logging(verbose)
+    from gradbus.shards.server import ShardServer
+    try:
+        srv = ShardServer(broker_url, shard_id, weights_codec=weights_codec, nan_policy=nan_policy)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+    _on_signals(srv.stop)
+    try:
+        srv.run()
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+
+
+@main.command()
+@click.option("--shards", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535),
+              help="Client port (0: a free one).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--partitions", default=DEFAULT_PARTITIONS, show_default=True,
+              type=click.IntRange(1, 65535))
+def up(shards, port, host, partitions):
+    """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM."""
+    from gradbus.cluster import LocalCluster
+    stop = threading.Event()
+    _on_signals(stop.set)
+    cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False)
+    try:
+        cluster.start()
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+    try:
+        click.echo(f"ready: {cluster.url}")
+        sys.stdout.flush()
+        while not stop.wait(0.5):
+            dead = [n for n, p in cluster.shard_procs.items() if p.poll() is not None]
+            if cluster.broker_proc.poll() is not None:
+                click.echo("broker exited; stopping", err=True)
+                break
+            for n in dead:
+                click.echo(f"{n} exited with {cluster.shard_procs[n].returncode}", err=True)
+                cluster.shard_procs.pop(n)
+    finally:
+        cluster.stop()
+        click.echo("stopped")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+@main.command()
+@broker_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
+@click.option("--timeout", default=5.0, show_default=True, type=float)
+def status(broker_url, as_json, timeout):
+    """Shards, partitions, workers, tensor versions and counters of a running cluster."""
+    from gradbus import admin
+    try:
+        st = admin.status(broker_url, timeout)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+    if as_json:
+        click.echo(json.dumps(st, indent=2, sort_keys=True))
+        return
+    c = st["counters"]
+    click.echo(f"broker   {broker_url}  up {st['uptime_s']:.0f}s  partitions "
+               f"{st['partitions_assigned']}/{st['partitions']} assigned"
+               + (f"  DOWN {len(st['partitions_down'])}" if st["partitions_down"] else ""))
+    click.echo(f"pushes   received {c.get('pushes_received', 0)}  applied "
+               f"{c.get('pushes_applied', 0)}  batches {c.get('batches', 0)}  duplicates "
+               f"{c.get('duplicates', 0)}  errors {sum(st['errors'].values())}")
+    click.echo("")
+    click.echo(f"{'SHARD':<16}{'STATE':<8}{'PARTITIONS':>11}{'BYTES':>12}{'APPLIED':>10}"
+               f"{'INFLIGHT':>10}{'SEEN':>8}")
+    for s in st["shards"]:
+        click.echo(f"{s['id']:<16}{'alive' if s['alive'] else 'DEAD':<8}{s['partitions']:>11}"
+                   f"{_fmt_bytes(s['bytes']):>12}{s['info'].get('pushes_applied', 0):>10}"
+                   f"{s['inflight']:>10}{s['last_seen_s']:>7.1f}s")
+    click.echo("")
+    click.echo(f"{'WORKER':<34}{'PUSHES':>10}{'SEEN':>8}")
+    for w in st["workers"]:
+        click.echo(f"{w['id']:<34}{w['pushes']:>10}{w['last_seen_s']:>7.1f}s")
+    click.echo("")
+    click.echo(f"{'TENSOR':<24}{'DTYPE':<9}{'SHAPE':<18}{'BLOCKS':>7}{'VERSION':>9}  OPTIMIZER")
+    for t in st["tensors"]:
+        click.echo(f"{t['name']:<24}{t['dtype']:<9}{str(tuple(t['shape'])):<18}{t['blocks']:>7}"
+                   f"{t['version']:>9}  {t['optimizer']}")
+
+
+@main.command()
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 16))
+@click.option("--shards", default=2, show_default=True, type=click.IntRange(1, 16))
+@click.option("--epochs", default=None, type=click.IntRange(1, 1000),
+              help="Epochs per worker (default: the model's default).")
+@click.option("--codec", default="raw", show_default=True, help="Gradient codec chain.")
+@click.option("--broker", "broker_url", default=None,
+              help="Train against this running cluster instead of starting one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on the last line.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def demo(workers, shards, epochs, codec, broker_url, as_json, seed):
+    """Train an MLP on the handwritten digits with asynchronous workers through gradbus."""
+    try:
+        from gradbus import demo as demo_mod
+    except ImportError as e:
+        raise click.ClickException(f"the demo needs scikit-learn: pip install 'gradbus[demo]' ({e})")
+    try:
+        summary = demo_mod.run(workers=workers, shards=shards, epochs=epochs, codec=codec,
+                               broker_url=broker_url, seed=seed, echo=click.echo)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+    if as_json:
+        click.echo(json.dumps(summary, sort_keys=True))
+    else:
+        click.echo(demo_mod.format_summary(summary))
+
+
+@main.command("worker", hidden=True)
+@broker_option
+@click.option("--index", default=0, type=int)
+@click.option("--workers", default=1, type=int)
+@click.option("--epochs", default=None, type=int)
+@click.option("--codec", default="raw")
+@click.option("--seed", default=0, type=int)
+def worker_cmd(broker_url, index, workers, epochs, codec, seed):
+    """Run one demo worker (used by `gradbus demo`; start one by hand to add a worker)."""
+    from gradbus import demo as demo_mod
+    demo_mod.worker_main(broker_url, index, workers, epochs, codec, seed)
+
+
+__all__ = ["main", "timing", "time"]

@@ -1,0 +1,156 @@
+"""A local cluster: a broker and N shards, as real processes (default) or threads (tests).
+
+Child processes get ``PR_SET_PDEATHSIG`` (Linux), so a killed launcher leaves no orphans; a clean
+stop sends SIGTERM, waits, then SIGKILL.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from gradbus import admin
+from gradbus.codecs.errors import GradbusError
+
+STOP_GRACE = 5.0
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalCluster:
+    def __init__(self, shards: int = 2, *, port: int = 0, host: str = "127.0.0.1",
+                 partitions: int = 256, processes: bool = True, ready_timeout: float = 60.0,
+                 broker_args: list[str] | None = None, shard_args: list[str] | None = None,
+                 quiet: bool = True):
+        if shards < 1:
+            raise ValueError("a cluster needs at least one shard")
+        self.n_shards = shards
+        self.host, self.port, self.partitions = host, port, partitions
+        self.processes = processes
+        self.ready_timeout = ready_timeout
+        self.broker_args = broker_args or []
+        self.shard_args = shard_args or []
+        self.quiet = quiet
+        self.broker_proc: subprocess.Popen | None = None
+        self.shard_procs: dict[str, subprocess.Popen] = {}
+        self.broker = None
+        self.shard_servers: dict = {}
+        self.threads: list = []
+        self.url: str | None = None
+
+    # -- processes ---------------------------------------------------------------------
+    def _spawn(self, args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gradbus", *args], stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL if self.quiet else None, text=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+    def start(self) -> "LocalCluster":
+        try:
+            if self.processes:
+                self.broker_proc = self._spawn(
+                    ["broker", "--host", self.host, "--port", str(self.port),
+                     "--partitions", str(self.partitions), *self.broker_args])
+                line = self.broker_proc.stdout.readline().strip()
+                if not line.startswith("listening: "):
+                    raise GradbusError(f"broker failed to start (said {line!r})")
+                self.url = line.split(" ", 1)[1]
+                for i in range(self.n_shards):
+                    self.add_shard(f"shard-{i}")
+            else:
+                from gradbus.broker.server import BrokerServer
+                self.broker = BrokerServer(self.host, self.port, partitions=self.partitions)
+                self.threads.append(self.broker.start_thread())
+                self.url = self.broker.url
+                for i in range(self.n_shards):
+                    self.add_shard(f"shard-{i}")
+            self.wait_ready(self.n_shards)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_shard(self, shard_id: str) -> None:
+        if self.processes:
+            self.shard_procs[shard_id] = self._spawn(
+                ["shard", "--broker", self.url, "--id", shard_id, *self.shard_args])
+        else:
+            from gradbus.shards.server import ShardServer
+            s = ShardServer(self.url, shard_id)
+            self.threads.append(s.start_thread())
+            self.shard_servers[shard_id] = s
+
+    def wait_ready(self, n: int, timeout: float | None = None) -> dict:
+        """Wait until ``n`` shards are registered and alive; returns the status."""
+        deadline = time.monotonic() + (timeout or self.ready_timeout)
+        while True:
+            for name, proc in self.shard_procs.items():
+                if proc.poll() is not None and proc.returncode != 0 and n == self.n_shards:
+                    raise GradbusError(f"{name} exited with {proc.returncode}")
+            try:
+                st = admin.status(self.url, timeout=1.0)
+                if sum(1 for s in st["shards"] if s["alive"]) >= n:
+                    return st
+            except GradbusError:
+                pass
+            if time.monotonic() > deadline:
+                raise GradbusError(f"cluster not ready: fewer than {n} shards alive")
+            time.sleep(0.05)
+
+    def kill_shard(self, shard_id: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.shard_procs[shard_id]
+        proc.send_signal(sig)
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            proc.wait(10)
+
+    def stop(self) -> None:
+        procs = list(self.shard_procs.values()) + ([self.broker_proc] if self.broker_proc else [])
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE
+        for p in procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+            if p.stdout:
+                p.stdout.close()
+        for s in self.shard_servers.values():
+            s.stop()
+        if self.broker is not None:
+            self.broker.stop()
+        for t in self.threads:
+            t.join(STOP_GRACE)
+        self.threads.clear()
+        self.shard_servers.clear()
+        self.broker = None
+        self.shard_procs.clear()
+        self.broker_proc = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.shard_procs.values()] + (
+            [self.broker_proc.pid] if self.broker_proc else [])
+
+
+def in_process(shards: int = 2, **kw) -> LocalCluster:
+    return LocalCluster(shards, processes=False, **kw)
+
+
+__all__ = ["LocalCluster", "in_process", "os"]

@@ -1,0 +1,1 @@
+"""gradbus.shards: parameter store, optimizers, the batched apply loop and the shard process."""

@@ -1,0 +1,183 @@
+"""The shard's state machine: fed decoded messages from the broker, returns messages to send.
+
+No sockets here. :meth:`ShardCore.handle` takes the frames of one message (header first) and
+returns a list of outgoing messages (each a list of frames) for the broker's backend.
+
+A BATCH carries, per partition, the next sequenced group of entries. For each partition the shard
+applies entries in order: INIT entries create blocks (a no-op if present); PUSH entries are decoded
+(checksum verified), checked (known key, matching shape, finite values) and summed per key in
+batch order; then each key's optimizer runs once on the sum, one pass. Every partition part, even
+one whose entries all failed, produces one UPDATE for the events socket carrying the changed
+blocks with ``(epoch, seq)``, so subscribers can detect gaps.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from gradbus.codecs import wire
+from gradbus.codecs.errors import Code, WireError
+from gradbus.codecs.partition import TensorLayout
+
+from .store import ParameterStore
+
+log = logging.getLogger("gradbus.shard")
+
+NAN_POLICIES = ("refuse", "allow")
+
+
+class ShardCore:
+    def __init__(self, shard_id: str, *, weights_codec: str = "raw",
+                 max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, nan_policy: str = "refuse"):
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"nan_policy must be one of {NAN_POLICIES}")
+        wire.tcodec.parse_chain(weights_codec)
+        self.shard_id = shard_id
+        self.store = ParameterStore()
+        self.weights_codec = weights_codec
+        self.max_tensor_bytes = max_tensor_bytes
+        self.nan_policy = nan_policy
+        self._scratch: dict[str, np.ndarray] = {}
+        self.stats = {"batches": 0, "pushes_applied": 0, "pushes_refused": 0, "snapshots": 0,
+                      "errors": 0}
+
+    # -- entry point -------------------------------------------------------------------------
+    def handle(self, frames: list) -> list[list]:
+        """Handle one message from the broker; return messages to send back."""
+        try:
+            h = wire.unpack_header(frames[0], wire.SHARD_KINDS)
+            descs = wire.parse_tensors(h, frames[1:], self.max_tensor_bytes)
+        except WireError as e:
+            self.stats["errors"] += 1
+            log.warning("bad message from broker: %s", e)
+            return [[wire.error(e.code, str(e.args[0]))]]
+        kind = h["kind"]
+        if kind == wire.BATCH:
+            return [self._batch(h, descs, frames[1:])]
+        if kind == wire.SNAPSHOT:
+            return [self._snapshot(h)]
+        return []  # REGISTERED / HEARTBEAT / ERROR are the loop's business
+
+    # -- batches -----------------------------------------------------------------------------
+    def _scratch_for(self, n: int, dtype) -> np.ndarray:
+        buf = self._scratch.get(dtype.name)
+        if buf is None or buf.size < n:
+            buf = self._scratch[dtype.name] = np.empty(max(n, 1), dtype)
+        return buf[:n]
+
+    def _batch(self, h: dict, descs, frames) -> list:
+        out_parts, tail = [], []
+        for part in h["parts"]:
+            res, pub = self._apply_part(part, descs, frames)
+            out_parts.append(res)
+            tail.extend(pub)
+        self.stats["batches"] += 1
+        return [wire.pack(wire.APPLIED, parts=out_parts, shard=self.shard_id), *tail]
+
+    def _apply_part(self, part, descs, frames):
+        p, seq, epoch = int(part["p"]), int(part["seq"]), int(part["epoch"])
+        pst = self.store.partition(p)
+        errors: list = []
+        changed: dict[str, object] = {}
+        if seq <= pst.seq and epoch <= pst.epoch:
+            # Re-delivery of a batch already applied: apply nothing, report success again.
+            return self._result(p, seq, epoch, errors, {}, duplicate=True)
+        pst.seq, pst.epoch = seq, max(epoch, pst.epoch)
+        sums: dict[str, list] = {}
+        for idx, ent in enumerate(part["e"]):
+            try:
+                op = ent.get("op")
+                if op == "push":
+                    i = ent["i"]
+                    desc = descs[i]
+                    blk = self.store.blocks.get(desc.key)
+                    if blk is None:
+                        raise WireError(Code.UNKNOWN_KEY, f"{desc.key} is not held here")
+                    if desc.shape != (blk.value.size,) or np.dtype(desc.dtype) != blk.value.dtype:
+                        raise WireError(Code.BAD_SHAPE,
+                                        f"{desc.key}: gradient {desc.dtype}{list(desc.shape)} does "
+                                        f"not match {blk.value.dtype}[{blk.value.size}]")
+                    g = wire.decode_tensor(desc, frames[i], self.max_tensor_bytes)
+                    if self.nan_policy == "refuse" and not np.isfinite(g).all():
+                        raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
+                    acc = sums.get(desc.key)
+                    if acc is None:
+                        sums[desc.key] = [g, 1]
+                    else:
+                        if acc[1] == 1:
+                            acc[0] = acc[0].astype(blk.value.dtype, copy=True)
+                        acc[0] += g
+                        acc[1] += 1
+                elif op == "init":
+                    layout = TensorLayout.from_wire(ent["layout"])
+                    given = None
+                    if ent.get("i", -1) >= 0:
+                        i = ent["i"]
+                        given = wire.decode_tensor(descs[i], frames[i], self.max_tensor_bytes)
+                    blk, created = self.store.create(ent["key"], p, layout, ent["rule"], ent["opt"],
+                                                     given)
+                    if created:
+                        changed[blk.key] = blk
+                else:
+                    raise WireError(Code.BAD_FIELD, f"unknown entry op {op!r}")
+            except WireError as e:
+                errors.append([idx, e.code.value, str(e.args[0])])
+            except (KeyError, TypeError, ValueError, IndexError) as e:
+                errors.append([idx, Code.BAD_FIELD.value, f"bad entry: {e}"])
+        for key, (g, count) in sums.items():
+            blk = self.store.blocks[key]
+            blk.rule.step(blk.value, g, blk.state, self._scratch_for(blk.value.size, blk.value.dtype))
+            blk.version += count
+            changed[key] = blk
+        applied = sum(c for _, c in sums.values())
+        self.stats["pushes_applied"] += applied
+        self.stats["pushes_refused"] += sum(1 for e in errors)
+        return self._result(p, seq, epoch, errors, changed)
+
+    def _result(self, p, seq, epoch, errors, changed, duplicate=False):
+        descs, bufs = [], []
+        for blk in changed.values():
+            value = blk.value.copy() if self.weights_codec == "raw" else blk.value
+            d, buf = wire.encode_tensor(blk.key, value, self.weights_codec, blk.version)
+            descs.append(d)
+            bufs.append(buf)
+        pub = wire.pack(wire.UPDATE, descs, p=p, seq=seq, epoch=epoch)
+        res = {"p": p, "seq": seq, "epoch": epoch, "errors": errors, "n": len(bufs),
+               "vers": {d["k"]: d["ver"] for d in descs}}
+        if duplicate:
+            res["dup"] = True
+        return res, [pub, *bufs]
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def _snapshot(self, h: dict) -> list:
+        self.stats["snapshots"] += 1
+        descs, bufs, missing, parts = [], [], [], {}
+        for key in h["keys"]:
+            blk = self.store.blocks.get(key) if isinstance(key, str) else None
+            if blk is None:
+                missing.append(key)
+                continue
+            d, buf = wire.encode_tensor(key, blk.value.copy(), "raw", blk.version)
+            descs.append(d)
+            bufs.append(buf)
+            parts[blk.p] = self.store.partition(blk.p).seq
+        fields = {k: h[k] for k in ("req", "client", "of") if k in h}
+        return [wire.pack(wire.SNAPSHOT_REPLY, descs, parts=sorted(parts.items()), missing=missing,
+                          **fields), *bufs]
+
+    # -- introspection -----------------------------------------------------------------------
+    def info(self) -> dict:
+        return {"keys": len(self.store.blocks), "bytes": self.store.nbytes,
+                "partitions": len(self.store.partitions), **self.stats}
+
+    def digest(self, keys=None) -> str:
+        """A hash of the held values, versions and partition seqs (equal state -> equal digest)."""
+        import xxhash
+        hsh = xxhash.xxh3_64()
+        for key in sorted(keys if keys is not None else self.store.blocks):
+            blk = self.store.blocks[key]
+            hsh.update(key.encode())
+            hsh.update(blk.version.to_bytes(8, "little"))
+            hsh.update(blk.value.tobytes())
+        return hsh.hexdigest()

@@ -1,0 +1,117 @@
+"""The shard process: one DEALER to the broker's backend around :class:`ShardCore`.
+
+It finds the backend port with a HELLO on the broker's client URL, registers, heartbeats every
+``HEARTBEAT_INTERVAL`` and re-registers (after a fresh HELLO, with back-off) when the broker is
+silent for ``LIVENESS`` intervals.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+
+import zmq
+
+from gradbus.codecs import net, timing, wire
+
+from .core import ShardCore
+
+log = logging.getLogger("gradbus.shard")
+
+DRAIN_MAX = 64
+
+
+class ShardServer:
+    def __init__(self, broker_url: str, shard_id: str | None = None, *, clock=time.monotonic,
+                 ctx: zmq.Context | None = None, hello_timeout: float = 30.0,
+                 heartbeat_interval: float = timing.HEARTBEAT_INTERVAL,
+                 liveness: int = timing.LIVENESS, **core_kw):
+        net.split_url(broker_url)
+        self.broker_url = broker_url
+        self.shard_id = shard_id or f"shard-{uuid.uuid4().hex[:8]}"
+        self.core = ShardCore(self.shard_id, **core_kw)
+        self.clock = clock
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.hello_timeout = hello_timeout
+        self.hb_interval = heartbeat_interval
+        self.liveness = liveness
+        self.stopping = threading.Event()
+        self.registered = threading.Event()
+        self.sock = None
+
+    def _connect(self) -> None:
+        host, _ = net.split_url(self.broker_url)
+        welcome = net.hello(self.ctx, self.broker_url, "shard", self.hello_timeout)
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.ROUTING_ID, self.shard_id.encode())
+        self.sock.connect(net.url(host, welcome["backend"]))
+        holds = sorted(self.core.store.partitions)
+        self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id, holds=holds))
+
+    def run(self) -> None:
+        try:
+            self._connect()
+            last_heard = last_sent = self.clock()
+            while not self.stopping.is_set():
+                if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
+                    for _ in range(DRAIN_MAX):
+                        try:
+                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        last_heard = self.clock()
+                        if frames and len(frames[0]) < 64:
+                            kind = _peek_kind(frames[0])
+                            if kind == wire.REGISTERED:
+                                self.registered.set()
+                                log.info("%s registered with %s", self.shard_id, self.broker_url)
+                                continue
+                            if kind == wire.ERROR and b"not registered" in frames[0].bytes:
+                                self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id,
+                                                         holds=sorted(self.core.store.partitions)))
+                                continue
+                        for out in self.core.handle(frames):
+                            self.sock.send_multipart(out, copy=False)
+                            last_sent = self.clock()
+                now = self.clock()
+                if now - last_sent >= self.hb_interval:
+                    self.sock.send(wire.pack(wire.HEARTBEAT, info=self.core.info()))
+                    last_sent = now
+                if now - last_heard > self.hb_interval * self.liveness:
+                    log.warning("%s: broker silent for %.2fs, reconnecting", self.shard_id,
+                                now - last_heard)
+                    self.registered.clear()
+                    self.sock.close(linger=0)
+                    self._connect()
+                    last_heard = self.clock()
+        finally:
+            self.close()
+
+    def start_thread(self) -> threading.Thread:
+        t = threading.Thread(target=self.run, name=f"gradbus-{self.shard_id}", daemon=True)
+        t.start()
+        return t
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def close(self) -> None:
+        if self.sock is not None:
+            try:
+                self.sock.send(wire.pack(wire.BYE), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self.sock.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+
+
+def _peek_kind(frame) -> str | None:
+    try:
+        h = wire.unpack_header(frame, frozenset(wire.SCHEMA))
+        return h["kind"]
+    except Exception:
+        return None

@@ -1,0 +1,89 @@
+"""The parameter store: flat blocks of dense tensors, their optimizer state and versions."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradbus.codecs import specs
+from gradbus.codecs.partition import TensorLayout, split_key
+
+from .optim import make_rule
+
+
+@dataclass
+class Block:
+    key: str
+    layout: TensorLayout
+    index: int
+    value: np.ndarray            # flat, owned, writable
+    rule: object
+    state: dict
+    version: int = 0             # gradients applied (pushes), 0 after init
+    p: int = 0                   # partition
+
+    @property
+    def nbytes(self) -> int:
+        return self.value.nbytes
+
+
+def initial_values(layout: TensorLayout, index: int, rule: dict, given=None) -> np.ndarray:
+    """The initial flat values of one block. Random rules are seeded by (seed, block index), so
+    any shard produces the same values for the same block."""
+    start, stop = layout.block_range(index)
+    n = stop - start
+    dt = np.dtype(layout.dtype)
+    name = rule["name"]
+    if name == "given":
+        if given is None or given.size != n:
+            raise ValueError(f"block {index} of {layout.name}: given values missing or of wrong size")
+        return np.array(given, dtype=dt).reshape(-1)
+    if name == "zeros":
+        return np.zeros(n, dt)
+    if name == "constant":
+        return np.full(n, rule["value"], dt)
+    rng = np.random.default_rng([int(rule.get("seed", 0)), index])
+    if name == "normal":
+        return rng.normal(rule["mean"], rule["std"], n).astype(dt)
+    if name == "uniform":
+        return rng.uniform(rule["low"], rule["high"], n).astype(dt)
+    raise ValueError(f"unknown initializer {name!r}")
+
+
+@dataclass
+class PartitionState:
+    p: int
+    epoch: int = 0
+    seq: int = 0                 # last batch seq applied
+    keys: set = field(default_factory=set)
+
+
+class ParameterStore:
+    def __init__(self):
+        self.blocks: dict[str, Block] = {}
+        self.partitions: dict[int, PartitionState] = {}
+
+    def partition(self, p: int) -> PartitionState:
+        st = self.partitions.get(p)
+        if st is None:
+            st = self.partitions[p] = PartitionState(p)
+        return st
+
+    def create(self, key: str, p: int, layout: TensorLayout, rule: dict, opt: dict,
+               given=None) -> tuple[Block, bool]:
+        """Create a block if absent. Returns (block, created)."""
+        blk = self.blocks.get(key)
+        if blk is not None:
+            return blk, False
+        _, index = split_key(key)
+        value = initial_values(layout, index, rule, given)
+        optimizer = make_rule(specs.optimizer_from_wire(opt))
+        blk = Block(key, layout, index, value, optimizer,
+                    optimizer.state(value.size, value.dtype), 0, p)
+        self.blocks[key] = blk
+        self.partition(p).keys.add(key)
+        return blk, True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks.values())

@@ -1,0 +1,89 @@
+"""The `gradbus` command: up, status, demo, --help; clean shutdown with no orphans."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+import gradbus
+from gradbus.cli import main
+
+from .conftest import _zombie_or_gone as _gone
+from .conftest import wait_for
+
+COMMANDS = ["broker", "shard", "up", "demo", "status"]
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_help(cmd):
+    r = CliRunner().invoke(main, [cmd, "--help"])
+    assert r.exit_code == 0 and "Usage:" in r.output
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def test_up_ready_status_and_sigterm_leaves_no_orphans():
+    proc = subprocess.Popen([sys.executable, "-m", "gradbus", "up", "--shards", "2", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = wait_for(lambda: proc.stdout.readline().strip(), 60, "ready line")
+        assert line.startswith("ready: tcp://127.0.0.1:"), line
+        url = line.split(" ", 1)[1]
+        kids = _children(proc.pid)
+        assert len(kids) == 3  # broker + 2 shards
+        with gradbus.connect(url) as c:
+            c.init({"w": np.zeros(10, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+            c.push({"w": np.ones(10, np.float32)}).result(10)
+            r = CliRunner().invoke(main, ["status", "--broker", url, "--json"])
+            assert r.exit_code == 0, r.output
+            st = json.loads(r.output)
+            assert len(st["shards"]) == 2 and all(s["alive"] for s in st["shards"])
+            assert st["counters"]["pushes_applied"] == 1
+            assert st["tensors"][0]["name"] == "w" and st["tensors"][0]["version"] == 1
+            assert len(st["workers"]) == 1
+            r = CliRunner().invoke(main, ["status", "--broker", url])
+            assert r.exit_code == 0 and "shard-0" in r.output and "alive" in r.output
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        for k in kids:
+            wait_for(lambda: _gone(k), 10, f"child {k} to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_status_without_broker_is_a_clear_error():
+    r = CliRunner().invoke(main, ["status", "--broker", "tcp://127.0.0.1:9", "--timeout", "0.3"])
+    assert r.exit_code != 0 and "no reply from the broker" in r.output
+
+
+def test_bad_broker_url_is_a_clear_error():
+    r = CliRunner().invoke(main, ["status", "--broker", "http://nowhere"])
+    assert r.exit_code != 0 and "tcp://HOST:PORT" in r.output
+
+
+def test_demo_json_summary():
+    env = dict(os.environ)
+    r = subprocess.run([sys.executable, "-m", "gradbus", "demo", "--json"], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = r.stdout.strip().splitlines()
+    assert any("worker 1" in line for line in out)   # per-worker progress shown
+    s = json.loads(out[-1])
+    assert {"test_accuracy", "pushes", "wire_bytes", "seconds"} <= set(s)
+    assert s["test_accuracy"] >= 0.95
+    assert s["pushes"] == 2 * 575 and s["wire_bytes"] > 0

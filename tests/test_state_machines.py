@@ -1,0 +1,265 @@
+"""Broker, shard and client-cache state machines, driven without sockets."""
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from gradbus.broker.core import BACK, FRONT, PUB, BrokerCore
+from gradbus.codecs import wire
+from gradbus.codecs.partition import TensorLayout, partition_of
+from gradbus.shards.core import ShardCore
+from gradbus.workers.cache import WeightCache
+
+SGD = {"name": "sgd", "lr": 0.5}
+
+
+def unpack(frame) -> dict:
+    return msgpack.unpackb(frame)
+
+
+def sends(actions, where):
+    return [a for a in actions if a[0] == where]
+
+
+class Rig:
+    """A broker core wired to shard cores in memory: frames go straight across."""
+
+    def __init__(self, shards=("s0",), partitions=16, **kw):
+        self.now = 0.0
+        self.broker = BrokerCore(partitions, now=0.0, **kw)
+        self.shards = {sid: ShardCore(sid) for sid in shards}
+        self.to_clients: list = []
+        self.published: list = []
+        self.held: list = []     # batches captured instead of delivered (when hold=True)
+        self.hold = False
+        for sid in shards:
+            self.deliver(self.broker.on_backend(sid.encode(),
+                                                [wire.pack(wire.REGISTER, shard=sid)], self.now))
+
+    def deliver(self, actions):
+        for a in actions:
+            if a[0] == FRONT:
+                self.to_clients.append((a[1], [bytes(f) for f in a[2]]))
+            elif a[0] == PUB:
+                self.published.append([bytes(f) for f in a[1]])
+            elif a[0] == BACK:
+                if self.hold and unpack(a[2][0])["kind"] == "batch":
+                    self.held.append(a)
+                    continue
+                self.to_shard(a[1].decode(), a[2])
+
+    def to_shard(self, sid, frames):
+        if unpack(frames[0])["kind"] in ("registered", "heartbeat"):
+            return
+        for out in self.shards[sid].handle([bytes(f) for f in frames]):
+            self.deliver(self.broker.on_backend(sid.encode(), [bytes(f) for f in out], self.now))
+
+    def client(self, ident, frames):
+        self.deliver(self.broker.on_frontend(ident, frames, self.now))
+        self.deliver(self.broker.flush(self.now))
+
+    def replies(self, ident):
+        out = [unpack(f[0]) for i, f in self.to_clients if i == ident]
+        self.to_clients = [x for x in self.to_clients if x[0] != ident]
+        return out
+
+
+def _blocks(layout, values):
+    descs, bufs = [], []
+    flat = values.reshape(-1)
+    for i, key in enumerate(layout.block_keys()):
+        a, b = layout.block_range(i)
+        d, buf = wire.encode_tensor(key, flat[a:b].copy())
+        descs.append(d)
+        bufs.append(bytes(buf))
+    return descs, bufs
+
+
+def init_msg(msg, name, values, opt=SGD):
+    layout = TensorLayout(name, values.dtype.name, values.shape, 4)
+    descs, bufs = _blocks(layout, values)
+    return [wire.pack(wire.INIT, descs, msg=msg, opt=opt,
+                      tensors=[{**layout.to_wire(), "init": {"name": "given"}}]), *bufs], layout
+
+
+def push_msg(msg, layout, grad):
+    descs, bufs = _blocks(layout, grad)
+    return [wire.pack(wire.PUSH, descs, msg=msg, acks=1), *bufs]
+
+
+def test_init_push_ack_and_known_answer():
+    rig = Rig(("s0", "s1"))
+    frames, layout = init_msg(1, "w", np.arange(10, dtype=np.float32))
+    rig.client(b"c1", frames)
+    assert rig.replies(b"c1") == [{"v": 1, "kind": "init_ok", "msg": 1, "created": ["w"],
+                                   "existing": []}]
+    for m in range(2, 7):
+        rig.client(b"c1", push_msg(m, layout, np.ones(10, np.float32)))
+    acks = rig.replies(b"c1")
+    assert [a["msg"] for a in acks] == [2, 3, 4, 5, 6] and {a["kind"] for a in acks} == {"ack"}
+    values = np.concatenate([rig.shards[rig.broker.owners[partition_of(k, 16)]]
+                             .store.blocks[k].value for k in layout.block_keys()])
+    assert np.array_equal(values, np.arange(10, dtype=np.float32) - 5 * 0.5)
+    assert rig.broker.status(0)["tensors"][0]["version"] == 5
+    rig.broker.validate_state()
+
+
+def test_batching_while_shard_has_no_credit_sums_pushes():
+    rig = Rig(("s0",), shard_credit=1)
+    frames, layout = init_msg(1, "w", np.zeros(4, np.float32))
+    rig.client(b"c", frames)
+    rig.hold = True
+    rig.client(b"c", push_msg(2, layout, np.ones(4, np.float32)))     # goes out, credit used
+    for m in (3, 4, 5):
+        rig.client(b"c", push_msg(m, layout, np.full(4, 2.0, np.float32)))  # queue up
+    assert len(rig.held) == 1
+    rig.hold = False
+    first = rig.held.pop()
+    rig.to_shard("s0", first[2])              # APPLIED returns credit -> next flush
+    rig.deliver(rig.broker.flush(rig.now))
+    batch_sizes = rig.broker.counters["batched_entries"], rig.broker.counters["batches"]
+    assert batch_sizes == (5, 3)  # init, 1 push, then 3 pushes in one batch
+    assert np.array_equal(rig.shards["s0"].store.blocks["w/0"].value,
+                          np.full(4, -0.5 * (1 + 6), np.float32))
+    assert [r["msg"] for r in rig.replies(b"c")][1:] == [2, 3, 4, 5]
+
+
+def test_duplicate_push_applied_once_and_reacked():
+    rig = Rig()
+    frames, layout = init_msg(1, "w", np.zeros(4, np.float32))
+    rig.client(b"c", frames)
+    rig.replies(b"c")
+    p = push_msg(7, layout, np.ones(4, np.float32))
+    rig.client(b"c", p)
+    rig.client(b"c", p)   # resend after the ack
+    assert [r["kind"] for r in rig.replies(b"c")] == ["ack", "ack"]
+    assert np.array_equal(rig.shards["s0"].store.blocks["w/0"].value, np.full(4, -0.5, np.float32))
+    assert rig.broker.counters["duplicates"] == 1
+
+
+def test_dead_shard_fails_inflight_and_new_pushes():
+    rig = Rig(("s0",), heartbeat_interval=0.1, liveness=3)
+    frames, layout = init_msg(1, "w", np.zeros(4, np.float32))
+    rig.client(b"c", frames)
+    rig.replies(b"c")
+    rig.hold = True
+    rig.client(b"c", push_msg(2, layout, np.ones(4, np.float32)))
+    assert rig.broker.on_tick(0.25) and rig.broker.shards["s0"].alive   # within liveness
+    rig.deliver(rig.broker.on_tick(0.31))
+    assert not rig.broker.shards["s0"].alive
+    err = rig.replies(b"c")
+    assert err[0]["kind"] == "error" and err[0]["code"] == "SHARD_UNAVAILABLE" and err[0]["msg"] == 2
+    rig.client(b"c", push_msg(3, layout, np.ones(4, np.float32)))
+    assert rig.replies(b"c")[0]["code"] == "SHARD_UNAVAILABLE"
+    table = unpack(rig.published[-1][1])
+    assert table["kind"] == "table" and partition_of("w/0", 16) in table["down"]
+    rig.broker.validate_state()
+
+
+def test_back_pressure_flag():
+    rig = Rig(("s0",), shard_credit=1, max_pending_bytes=100)
+    frames, layout = init_msg(1, "w", np.zeros(64, np.float32))
+    rig.client(b"c", frames)
+    rig.hold = True
+    rig.client(b"c", push_msg(2, layout, np.ones(64, np.float32)))
+    assert rig.broker.accepting()
+    rig.client(b"c", push_msg(3, layout, np.ones(64, np.float32)))  # 256 B queued > 100
+    assert not rig.broker.accepting()
+
+
+# ---------------------------------------------------------------- shard core
+def _batch(p, seq, entries, descs, frames):
+    return [wire.pack(wire.BATCH, descs, parts=[{"p": p, "seq": seq, "epoch": 1, "e": entries}]),
+            *frames]
+
+
+@pytest.mark.parametrize("opt,expect", [
+    ({"name": "sgd", "lr": 0.5, "momentum": 0.5}, None),
+    ({"name": "adam", "lr": 0.1, "betas": [0.9, 0.999], "eps": 1e-8}, None),
+    ({"name": "adagrad", "lr": 0.1, "eps": 1e-10}, None),
+])
+def test_shard_optimizers_match_reference(opt, expect):
+    sc = ShardCore("s")
+    layout = TensorLayout("w", "float64", (5,), 8)
+    w0 = np.linspace(-1, 1, 5)
+    d, buf = wire.encode_tensor("w/0", w0)
+    sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
+                             "rule": {"name": "given"}, "opt": opt, "i": 0}], [d], [bytes(buf)]))
+    rng = np.random.default_rng(0)
+    w, m, v, t = w0.copy(), np.zeros(5), np.zeros(5), 0
+    for seq in range(2, 6):
+        gs = [rng.normal(size=5) for _ in range(2)]
+        encs = [wire.encode_tensor("w/0", g) for g in gs]
+        sc.handle(_batch(0, seq, [{"op": "push", "i": 0}, {"op": "push", "i": 1}],
+                         [e[0] for e in encs], [bytes(e[1]) for e in encs]))
+        g = gs[0] + gs[1]    # a batch is summed, then one step
+        if opt["name"] == "sgd":
+            m = 0.5 * m + g
+            w = w - 0.5 * m
+        elif opt["name"] == "adam":
+            t += 1
+            m = 0.9 * m + 0.1 * g
+            v = 0.999 * v + 0.001 * g * g
+            w = w - 0.1 * (m / (1 - 0.9 ** t)) / (np.sqrt(v / (1 - 0.999 ** t)) + 1e-8)
+        else:
+            v = v + g * g
+            w = w - 0.1 * g / (np.sqrt(v) + 1e-10)
+    np.testing.assert_allclose(sc.store.blocks["w/0"].value, w, rtol=1e-12)
+    assert sc.store.blocks["w/0"].version == 8
+
+
+def test_shard_redelivered_batch_is_not_reapplied_and_bad_entry_isolated():
+    sc = ShardCore("s")
+    layout = TensorLayout("w", "float32", (4,), 4)
+    sc.handle(_batch(3, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
+                             "rule": {"name": "zeros"}, "opt": SGD}], [], []))
+    good = wire.encode_tensor("w/0", np.ones(4, np.float32))
+    bad = wire.encode_tensor("w/0", np.array([np.inf, 0, 0, 0], np.float32))
+    msg = _batch(3, 2, [{"op": "push", "i": 0}, {"op": "push", "i": 1}],
+                 [good[0], bad[0]], [bytes(good[1]), bytes(bad[1])])
+    out = sc.handle(msg)
+    res = unpack(out[0][0])["parts"][0]
+    assert res["errors"][0][:2] == [1, "NOT_FINITE"]
+    sc.handle(msg)   # redelivery
+    assert np.array_equal(sc.store.blocks["w/0"].value, np.full(4, -0.5, np.float32))
+    upd = unpack(out[0][1])
+    assert upd["kind"] == "update" and upd["p"] == 3 and upd["seq"] == 2
+    assert upd["t"][0]["ver"] == 1
+
+
+# ---------------------------------------------------------------- client cache
+def _cache_with(name="w", n=6, block=2, P=4):
+    cache = WeightCache(P)
+    layout = TensorLayout(name, "float32", (n,), block)
+    parts, keys = cache.track(layout)
+    return cache, layout, parts, keys
+
+
+def test_cache_snapshot_then_updates_in_order_and_gap_resync():
+    cache, layout, parts, keys = _cache_with()
+    assert set(keys) == set(layout.block_keys()) and parts
+    key = keys[0]
+    p = partition_of(key, 4)
+    # updates before the snapshot are buffered, applied after if newer
+    cache.on_update(p, 6, [(key, np.full(2, 6.0, np.float32), 6)])
+    snap = {pp: 5 for pp in {partition_of(k, 4) for k in keys}}
+    blocks = [(k, np.zeros(2, np.float32), 5) for k in keys]
+    assert cache.on_snapshot(snap, blocks) == []
+    assert cache.blocks[key].version == 6
+    assert not cache.on_update(p, 6, [(key, np.full(2, 99.0, np.float32), 99)])  # stale dropped
+    assert cache.blocks[key].version == 6 and cache.stats["stale_updates"] == 1
+    assert cache.on_update(p, 8, [(key, np.full(2, 8.0, np.float32), 8)])   # gap -> resync
+    assert cache.parts[p].resync
+    assert cache.on_snapshot({p: 8}, [(k, np.full(2, 8.0, np.float32), 8)
+                                      for k in cache.resync_keys(p)]) == []
+    assert not cache.parts[p].resync and cache.parts[p].last_seq == 8
+    t = cache.tensor("w")
+    assert t.shape == (6,) and not t.flags.writeable
+
+
+def test_cache_version_is_min_over_blocks():
+    cache, layout, parts, keys = _cache_with()
+    snap = {partition_of(k, 4): 1 for k in keys}
+    cache.on_snapshot(snap, [(k, np.zeros(2, np.float32), i + 3) for i, k in enumerate(keys)])
+    assert cache.version("w") == 3

@@ -1,0 +1,147 @@
+"""The client's weight cache: a state machine fed snapshots and updates, no I/O.
+
+It follows the Clone pattern: subscribe to a partition, then snapshot it at seq S; updates with
+seq <= S are dropped, S+1, S+2 ... apply in order, and a gap (seq > last+1) asks for a fresh
+snapshot of the partition. Blocks are immutable read-only arrays, replaced, never written, so a
+reader holding one never sees it change.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradbus.codecs.partition import TensorLayout, partition_of, split_key
+
+UPDATE_BUFFER = 256  # updates kept per partition while its snapshot is in flight
+
+
+@dataclass
+class Part:
+    p: int
+    last_seq: int = -1            # last contiguous seq applied; -1 = no stream yet
+    resync: bool = True           # a snapshot of every tracked key is in flight
+    keys: set = field(default_factory=set)
+    buffered: list = field(default_factory=list)
+
+
+@dataclass
+class Block:
+    value: np.ndarray
+    version: int
+    seq: int
+
+
+class WeightCache:
+    def __init__(self, partitions: int):
+        self.P = partitions
+        self.layouts: dict[str, TensorLayout] = {}
+        self.blocks: dict[str, Block] = {}
+        self.parts: dict[int, Part] = {}
+        self.down: set[int] = set()
+        self.stats = {"updates": 0, "stale_updates": 0, "gaps": 0, "snapshots": 0}
+
+    # -- tracking ------------------------------------------------------------------------
+    def track(self, layout: TensorLayout) -> tuple[list[int], list[str]]:
+        """Start following a tensor. Returns (partitions to subscribe, keys to snapshot)."""
+        self.layouts[layout.name] = layout
+        new_parts, keys = [], []
+        for key in layout.block_keys():
+            p = partition_of(key, self.P)
+            part = self.parts.get(p)
+            if part is None:
+                part = self.parts[p] = Part(p)
+                new_parts.append(p)
+            if key not in part.keys:
+                part.keys.add(key)
+                keys.append(key)
+        return new_parts, keys
+
+    def tracked(self, name: str) -> bool:
+        layout = self.layouts.get(name)
+        return layout is not None and all(k in self.blocks for k in layout.block_keys())
+
+    def partitions_of(self, name: str) -> set[int]:
+        return {partition_of(k, self.P) for k in self.layouts[name].block_keys()}
+
+    # -- events --------------------------------------------------------------------------
+    def on_snapshot(self, parts: dict, blocks) -> list[int]:
+        """Apply a snapshot reply: ``parts`` {p: seq}, ``blocks`` [(key, array, version)].
+        Returns partitions that need another snapshot."""
+        self.stats["snapshots"] += 1
+        for key, arr, ver in blocks:
+            p = partition_of(key, self.P)
+            seq = int(parts.get(p, 0))
+            cur = self.blocks.get(key)
+            if cur is None or seq >= cur.seq:
+                self.blocks[key] = Block(_frozen(arr), ver, seq)
+        again = []
+        for p, seq in parts.items():
+            part = self.parts.get(int(p))
+            if part is None or not part.resync:
+                continue
+            part.resync = False
+            part.last_seq = int(seq)
+            pending, part.buffered = part.buffered, []
+            for useq, ublocks in sorted(pending, key=lambda x: x[0]):
+                if self.on_update(part.p, useq, ublocks):
+                    again.append(part.p)
+                    break
+        return again
+
+    def on_update(self, p: int, seq: int, blocks) -> bool:
+        """Apply one partition update. Returns True when a gap means a new snapshot is needed."""
+        part = self.parts.get(p)
+        if part is None:
+            return False
+        if part.resync:
+            if len(part.buffered) < UPDATE_BUFFER:
+                part.buffered.append((seq, blocks))
+            return False
+        if seq <= part.last_seq:
+            self.stats["stale_updates"] += 1
+            return False
+        if seq > part.last_seq + 1:
+            self.stats["gaps"] += 1
+            part.resync = True
+            part.buffered = [(seq, blocks)]
+            return True
+        part.last_seq = seq
+        self.stats["updates"] += 1
+        for key, arr, ver in blocks:
+            cur = self.blocks.get(key)
+            if cur is not None and seq > cur.seq:
+                self.blocks[key] = Block(_frozen(arr), ver, seq)
+        return False
+
+    def resync_keys(self, p: int) -> list[str]:
+        return sorted(self.parts[p].keys)
+
+    # -- reads ---------------------------------------------------------------------------
+    def version(self, name: str) -> int:
+        layout = self.layouts[name]
+        vs = [self.blocks[k].version for k in layout.block_keys() if k in self.blocks]
+        return min(vs) if len(vs) == layout.nblocks else -1
+
+    def tensor(self, name: str) -> np.ndarray:
+        layout = self.layouts[name]
+        keys = layout.block_keys()
+        if len(keys) == 1:
+            return self.blocks[keys[0]].value.reshape(layout.shape)
+        out = np.concatenate([self.blocks[k].value for k in keys]).reshape(layout.shape)
+        out.flags.writeable = False
+        return out
+
+    def unavailable(self, name: str) -> set[int]:
+        return self.partitions_of(name) & self.down
+
+
+def _frozen(arr: np.ndarray) -> np.ndarray:
+    a = arr.reshape(-1)
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+__all__ = ["WeightCache", "split_key"]

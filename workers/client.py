@@ -1,0 +1,544 @@
+"""The client SDK: :class:`Client` (the user's side) and :class:`Agent` (the I/O thread).
+
+The agent thread owns every socket: a DEALER to the broker's frontend and a SUB to its events.
+The user's threads hand it work through a queue and a one-byte wake-up on an inproc PAIR (the
+zguide's Clone-client shape); results come back as ``concurrent.futures.Future`` objects, and
+fresh weights land in a :class:`~gradbus.workers.cache.WeightCache` that ``pull()`` reads
+without a round trip.
+
+Flow control: at most ``window`` pushes are unacknowledged at once; ``push()`` blocks for a free
+slot (``timeout`` seconds, then :class:`BackPressureError`). The broker acknowledges every push
+once the shard applied it; ``acks=0`` only resolves the Future at send time.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+
+import numpy as np
+import zmq
+
+from gradbus.codecs import net, specs, timing, wire
+from gradbus.codecs import tensor as tcodec
+from gradbus.codecs.errors import (BackPressureError, ClosedError, Code, GradbusError,
+                                   ShardUnavailableError, WireError, error_from)
+from gradbus.codecs.partition import (DEFAULT_BLOCK_BYTES, TensorLayout, block_elems_for,
+                                      partition_of)
+
+from .cache import WeightCache
+
+log = logging.getLogger("gradbus.client")
+
+DEFAULT_WINDOW = 32          # unacknowledged pushes per client
+DEFAULT_TIMEOUT = 30.0       # seconds for init/pull/flush round trips
+EVENTS_RCVHWM = 64
+
+
+class Agent(threading.Thread):
+    """The I/O thread. Only this thread touches the DEALER and SUB sockets."""
+
+    def __init__(self, client: "Client"):
+        super().__init__(name=f"gradbus-agent-{client.client_id.hex()[:8]}", daemon=True)
+        self.c = client
+        self.ctx = client.ctx
+        self.cmds: collections.deque = collections.deque()
+        self.pipe_in = self.ctx.socket(zmq.PAIR)   # agent side
+        self.pipe_in.linger = 0
+        addr = f"inproc://gradbus-{client.client_id.hex()}"
+        self.pipe_in.bind(addr)
+        self.pipe_out = self.ctx.socket(zmq.PAIR)  # user side, used under client._lock
+        self.pipe_out.linger = 0
+        self.pipe_out.connect(addr)
+        self.dealer = self.sub = None
+        self.futures: dict[tuple[str, int], Future] = {}
+        self.snap_parts: dict[int, list] = {}      # req -> [replies...]
+        self.snap_need: dict[int, int] = {}
+        self.stop_flag = False
+        self.error: BaseException | None = None
+
+    # called from user threads (under client._lock)
+    def submit(self, cmd) -> None:
+        self.cmds.append(cmd)
+        self.pipe_out.send(b"", zmq.NOBLOCK)
+
+    def open(self, welcome: dict, host: str) -> None:
+        c = self.c
+        self.dealer = self.ctx.socket(zmq.DEALER)
+        self.dealer.linger = 0
+        self.dealer.setsockopt(zmq.ROUTING_ID, c.client_id)
+        if c.curve_configure:
+            c.curve_configure(self.dealer)
+        self.dealer.connect(c.url)
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.linger = 0
+        self.sub.rcvhwm = EVENTS_RCVHWM
+        if c.curve_configure:
+            c.curve_configure(self.sub)
+        self.sub.connect(net.url(host, welcome["events"]))
+        self.sub.subscribe(wire.TOPIC_TABLE)
+        self.dealer.send(wire.pack(wire.HEARTBEAT))  # registers this worker with the broker
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        for s in (self.pipe_in, self.dealer, self.sub):
+            poller.register(s, zmq.POLLIN)
+        hb = wire.pack(wire.HEARTBEAT)
+        last_hb = time.monotonic()
+        try:
+            while not self.stop_flag:
+                ready = dict(poller.poll(int(timing.HEARTBEAT_INTERVAL * 1000 / 2)))
+                if self.pipe_in in ready:
+                    while True:
+                        try:
+                            self.pipe_in.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                while self.cmds:
+                    self._command(self.cmds.popleft())
+                if self.dealer in ready:
+                    self._drain(self.dealer, self._on_reply)
+                if self.sub in ready:
+                    self._drain(self.sub, self._on_event)
+                now = time.monotonic()
+                if now - last_hb >= timing.HEARTBEAT_INTERVAL:
+                    self.dealer.send(hb)
+                    last_hb = now
+        except BaseException as e:  # surface the failure to every waiter
+            self.error = e
+            log.exception("client agent failed")
+        finally:
+            err = self.error or ClosedError("client closed")
+            for f in self.futures.values():
+                if not f.done():
+                    f.set_exception(err)
+            self.futures.clear()
+            with self.c._cond:
+                self.c._cond.notify_all()
+            try:
+                self.dealer.send(wire.pack(wire.BYE), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            for s in (self.dealer, self.sub, self.pipe_in):
+                s.close(linger=0)
+
+    def _drain(self, sock, handler) -> None:
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                handler(frames)
+            except WireError as e:
+                self.c.stats["bad_messages"] += 1
+                log.warning("bad message from broker: %s", e)
+
+    # -- commands from the user thread ------------------------------------------------
+    def _command(self, cmd) -> None:
+        op = cmd[0]
+        if op == "send":              # ("send", (kind, id), frames, future|None)
+            _, fid, frames, fut = cmd
+            if fut is not None:
+                self.futures[fid] = fut
+            self.dealer.send_multipart(frames, copy=False)
+        elif op == "track":            # ("track", [layouts], future)
+            _, layouts, fut = cmd
+            keys = []
+            for layout in layouts:
+                new_parts, ks = self.c.cache.track(layout)
+                for p in new_parts:
+                    self.sub.subscribe(wire.topic_partition(p))
+                keys += ks
+            if not keys:
+                fut.set_result(None)
+                return
+            self._snapshot(keys, fut)
+        elif op == "stop":
+            self.stop_flag = True
+
+    def _snapshot(self, keys: list[str], fut: Future | None) -> None:
+        req = next(self.c._ids)
+        if fut is not None:
+            self.futures[("req", req)] = fut
+        self.snap_parts[req] = []
+        self.dealer.send(wire.pack(wire.SNAPSHOT, req=req, keys=keys))
+
+    # -- replies on the DEALER --------------------------------------------------------
+    def _on_reply(self, frames) -> None:
+        h = wire.unpack_header(frames[0], wire.CLIENT_KINDS)
+        kind = h["kind"]
+        if kind in (wire.ACK, wire.INIT_OK) or (kind == wire.ERROR and "msg" in h):
+            self._settle(h)
+        elif kind == wire.SNAPSHOT_REPLY:
+            self._on_snapshot(h, frames[1:])
+        elif kind in (wire.CATALOG_REPLY, wire.STATUS_REPLY) or (kind == wire.ERROR and "req" in h):
+            req = h.get("req")
+            self.snap_parts.pop(req, None)
+            fut = self.futures.pop(("req", req), None)
+            if fut is not None and not fut.done():
+                if kind == wire.ERROR:
+                    fut.set_exception(error_from(h["code"], h["message"]))
+                else:
+                    fut.set_result(h)
+        elif kind == wire.ERROR:
+            self.c.stats["errors"] += 1
+            log.warning("broker error: %s %s", h["code"], h["message"])
+
+    def _settle(self, h: dict) -> None:
+        msg = h["msg"]
+        c = self.c
+        fut = self.futures.pop(("msg", msg), None)
+        if ("credit", msg) in c._credit_held:
+            c._credit_held.discard(("credit", msg))
+            c._credit.release()
+        if h["kind"] == wire.ERROR:
+            c.stats["push_errors"] += 1
+            err = error_from(h["code"], h["message"])
+            if fut is None:
+                c._async_errors.append(err)
+            elif not fut.done():
+                fut.set_exception(err)
+        else:
+            if h["kind"] == wire.ACK:
+                c.stats["pushes_acked"] += 1
+            if fut is not None and not fut.done():
+                fut.set_result(h)
+        with c._cond:
+            c._cond.notify_all()
+
+    def _on_snapshot(self, h: dict, frames) -> None:
+        req = h["req"]
+        got = self.snap_parts.get(req)
+        descs = wire.parse_tensors(h, frames, self.c.max_tensor_bytes)
+        blocks = [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0)
+                  for d, f in zip(descs, frames)]
+        parts = {int(p): int(s) for p, s in h["parts"]}
+        if got is None:
+            return
+        got.append((parts, blocks, h.get("missing") or []))
+        if len(got) < int(h.get("of", 1)):
+            return
+        del self.snap_parts[req]
+        missing = [m for _, _, ms in got for m in ms]
+        with self.c._cond:
+            again = set()
+            for parts, blocks, _ in got:
+                again.update(self.c.cache.on_snapshot(parts, blocks))
+            self.c._cond.notify_all()
+        for p in again:
+            self._snapshot(self.c.cache.resync_keys(p), None)
+        fut = self.futures.pop(("req", req), None)
+        if fut is not None and not fut.done():
+            if missing:
+                fut.set_exception(error_from(Code.UNKNOWN_KEY.value,
+                                             f"not held by any shard: {missing[:5]}"))
+            else:
+                fut.set_result(None)
+
+    # -- events on the SUB ------------------------------------------------------------
+    def _on_event(self, frames) -> None:
+        topic = frames[0].bytes
+        if topic == wire.TOPIC_TABLE:
+            h = wire.unpack_header(frames[1], frozenset({wire.TABLE}))
+            with self.c._cond:
+                self.c.cache.down = set(h.get("down", []))
+                self.c._cond.notify_all()
+            return
+        if not topic.startswith(b"p"):
+            return
+        h = wire.unpack_header(frames[1], frozenset({wire.UPDATE}))
+        descs = wire.parse_tensors(h, frames[2:], self.c.max_tensor_bytes)
+        part = self.c.cache.parts.get(h["p"])
+        if part is None:
+            return
+        blocks = [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0)
+                  for d, f in zip(descs, frames[2:]) if d.key in part.keys]
+        with self.c._cond:
+            gap = self.c.cache.on_update(h["p"], h["seq"], blocks)
+            self.c._cond.notify_all()
+        self.c.stats["updates_received"] += 1
+        self.c.stats["recv_bytes"] += sum(d.nbytes for d in descs)
+        if gap:
+            self._snapshot(self.c.cache.resync_keys(h["p"]), None)
+
+
+class Client:
+    """A connection to a gradbus cluster. Thread-safe; use as a context manager.
+
+    >>> with gradbus.connect("tcp://127.0.0.1:5555") as c:   # doctest: +SKIP
+    ...     c.init({"w": np.zeros(10, np.float32)}, optimizer=gradbus.SGD(lr=0.1))
+    ...     c.push({"w": np.ones(10, np.float32)}).result()
+    ...     w = c.pull(min_version=1)["w"]
+    """
+
+    def __init__(self, url: str | None = None, *, client_id: bytes | str | None = None,
+                 window: int = DEFAULT_WINDOW, timeout: float = DEFAULT_TIMEOUT,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES, codec: str = "raw",
+                 max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, curve_configure=None):
+        self.url = url or net.default_broker()
+        host, _ = net.split_url(self.url)
+        if window < 1:
+            raise ValueError("window must be >= 1")
+        tcodec.parse_chain(codec)
+        if isinstance(client_id, str):
+            client_id = client_id.encode()
+        self.client_id = client_id or uuid.uuid4().bytes
+        self.timeout = timeout
+        self.block_bytes = block_bytes
+        self.codec = codec
+        self.max_tensor_bytes = max_tensor_bytes
+        self.curve_configure = curve_configure
+        self.stats = collections.Counter()
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._credit = threading.BoundedSemaphore(window)
+        self._credit_held: set = set()
+        self._async_errors: list = []
+        self._closed = False
+        self.ctx = zmq.Context()
+        try:
+            welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure)
+            self.partitions = welcome["partitions"]
+            self.cache = WeightCache(self.partitions)
+            self.agent = Agent(self)
+            self.agent.open(welcome, host)
+        except BaseException:
+            self.ctx.destroy(linger=0)
+            raise
+        self.agent.start()
+
+    # -- helpers ------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("client is closed")
+        if self.agent.error is not None:
+            raise GradbusError(f"client I/O thread failed: {self.agent.error!r}")
+
+    def _send(self, kind: str, frames_fn, fut: Future | None):
+        with self._lock:
+            self._check_open()
+            ident = next(self._ids)
+            frames = frames_fn(ident)
+            self.agent.submit(("send", (kind, ident), frames, fut))
+        return ident
+
+    def _request(self, kind: str, timeout: float | None = None, **fields) -> dict:
+        fut: Future = Future()
+        with self._lock:
+            self._check_open()
+            req = next(self._ids)
+            self.agent.submit(("send", ("req", req), [wire.pack(kind, req=req, **fields)], fut))
+        return fut.result(timeout if timeout is not None else self.timeout)
+
+    def _layouts(self, names) -> dict[str, TensorLayout]:
+        missing = [n for n in names if n not in self.cache.layouts]
+        found = {n: self.cache.layouts[n] for n in names if n in self.cache.layouts}
+        if missing:
+            reply = self._request(wire.CATALOG, names=missing)
+            for t in reply["tensors"]:
+                found[t["name"]] = TensorLayout.from_wire(t)
+            absent = [n for n in missing if n not in found]
+            if absent:
+                raise error_from(Code.UNKNOWN_KEY.value, f"no such tensor: {', '.join(absent)}")
+        return found
+
+    # -- public API -----------------------------------------------------------------------
+    def init(self, tensors: dict, optimizer: specs.Optimizer | None = None,
+             timeout: float | None = None) -> dict[str, np.ndarray]:
+        """Create parameters (no-op for names that exist) and return their current weights.
+
+        ``tensors`` maps a name to an array (the initial values) or an initializer such as
+        ``gradbus.Normal((784, 128), std=0.01)``.
+        """
+        optimizer = optimizer or specs.SGD(lr=0.01)
+        opt = optimizer.to_wire()
+        specs.optimizer_from_wire(opt)
+        if not isinstance(tensors, dict) or not tensors:
+            raise ValueError("init takes a non-empty dict of name -> array or initializer")
+        metas, descs, bufs = [], [], []
+        for name, val in tensors.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"tensor names must be non-empty strings, got {name!r}")
+            if isinstance(val, specs.Initializer):
+                dt = np.dtype(val.dtype)
+                shape = tuple(int(s) for s in val.shape)
+                rule = val.to_wire()
+            else:
+                arr = np.asarray(val)
+                if arr.dtype.name not in tcodec.PARAM_DTYPES:
+                    raise ValueError(f"{name}: parameters must be float32 or float64, "
+                                     f"not {arr.dtype}")
+                dt, shape, rule = arr.dtype, arr.shape, {"name": "given"}
+            if not shape or any(s <= 0 for s in shape):
+                shape = shape or (1,)
+                if any(s <= 0 for s in shape):
+                    raise ValueError(f"{name}: shape {shape} has an empty dimension")
+            layout = TensorLayout(name, dt.name, tuple(shape), block_elems_for(dt.itemsize,
+                                                                            self.block_bytes))
+            metas.append({**layout.to_wire(), "init": rule})
+            if rule["name"] == "given":
+                flat = np.ascontiguousarray(val, dtype=dt).reshape(-1).copy()
+                for i, key in enumerate(layout.block_keys()):
+                    a, b = layout.block_range(i)
+                    d, buf = wire.encode_tensor(key, flat[a:b], "raw")
+                    descs.append(d)
+                    bufs.append(buf)
+        fut: Future = Future()
+        self._send("msg", lambda msg: [wire.pack(wire.INIT, descs, msg=msg, opt=opt,
+                                                 tensors=metas), *bufs], fut)
+        fut.result(timeout or self.timeout)
+        return self.pull(list(tensors), timeout=timeout)
+
+    def push(self, grads: dict, codec: str | None = None, acks: int = 1,
+             version: int | None = None, timeout: float | None = None) -> Future:
+        """Send gradients; returns a Future at once (resolved on ack, or at send for acks=0).
+
+        The arrays are encoded (or copied) before this returns: the caller may reuse them.
+        Blocks while ``window`` pushes are unacknowledged; after ``timeout`` seconds raises
+        :class:`BackPressureError`.
+        """
+        if acks not in (0, 1):
+            raise ValueError("acks must be 0 or 1 (acks='all' needs replicas)")
+        chain = codec or self.codec
+        tcodec.parse_chain(chain)
+        if not isinstance(grads, dict) or not grads:
+            raise ValueError("push takes a non-empty dict of name -> gradient array")
+        if self._async_errors:
+            raise self._async_errors.pop(0)
+        layouts = self._layouts(list(grads))
+        descs, bufs = [], []
+        for name, g in grads.items():
+            layout = layouts[name]
+            arr = np.asarray(g)
+            if arr.shape != layout.shape and arr.size != layout.size:
+                raise ValueError(f"{name}: gradient shape {arr.shape} does not match "
+                                 f"{layout.shape}")
+            flat = arr.astype(layout.dtype, copy=False).reshape(-1)
+            raw = chain.split("|")[0] in ("raw", "")
+            if raw:
+                flat = flat.copy()  # the caller may reuse its buffer; frames go zero-copy
+            for i, key in enumerate(layout.block_keys()):
+                a, b = layout.block_range(i)
+                d, buf = wire.encode_tensor(key, flat[a:b], chain)
+                descs.append(d)
+                bufs.append(buf)
+        if not self._credit.acquire(timeout=timeout if timeout is not None else self.timeout):
+            raise BackPressureError(f"{self.stats['window_full']} pushes waiting: credit window "
+                                    f"full for {timeout or self.timeout}s")
+        fut: Future = Future()
+        extra = {"ver": int(version)} if version is not None else {}
+        try:
+            with self._lock:
+                self._check_open()
+                msg = next(self._ids)
+                self._credit_held.add(("credit", msg))
+                frames = [wire.pack(wire.PUSH, descs, msg=msg, acks=acks, **extra), *bufs]
+                self.agent.submit(("send", ("msg", msg), frames, fut if acks else None))
+        except BaseException:
+            self._credit.release()
+            raise
+        self.stats["pushes"] += 1
+        self.stats["push_bytes"] += sum(d["n"] for d in descs)
+        if acks == 0:
+            fut.set_result(None)
+        return fut
+
+    def pull(self, keys=None, min_version: int | None = None,
+             timeout: float | None = None) -> dict[str, np.ndarray]:
+        """The freshest local weights, at once. Tensors not yet followed are fetched first
+        (subscribe, then snapshot). With ``min_version``, waits until every requested tensor has
+        at least that many gradients applied. Arrays are read-only and never change."""
+        self._check_open()
+        timeout = self.timeout if timeout is None else timeout
+        if isinstance(keys, str):
+            keys = [keys]
+        if keys is None:
+            keys = list(self.cache.layouts)
+            if not keys:
+                keys = [t["name"] for t in self._request(wire.CATALOG)["tensors"]]
+        names = list(keys)
+        todo = [n for n in names if not self.cache.tracked(n)]
+        if todo:
+            layouts = self._layouts(todo)
+            fut: Future = Future()
+            with self._lock:
+                self._check_open()
+                self.agent.submit(("track", [layouts[n] for n in todo], fut))
+            fut.result(timeout)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self.agent.error is not None or self._closed:
+                    self._check_open()
+                ready = all(self.cache.tracked(n) for n in names)
+                if ready and (min_version is None or
+                              all(self.cache.version(n) >= min_version for n in names)):
+                    return {n: self.cache.tensor(n) for n in names}
+                down = set().union(*(self.cache.unavailable(n) for n in names
+                                     if n in self.cache.layouts))
+                if down:
+                    raise ShardUnavailableError(
+                        f"partitions {sorted(down)[:8]} of {names} have no live shard")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    have = {n: self.cache.version(n) for n in names if n in self.cache.layouts}
+                    raise TimeoutError(f"weights not at version {min_version} after "
+                                       f"{timeout}s (have {have})")
+                self._cond.wait(min(left, 0.1))
+
+    def version(self, name: str) -> int:
+        """Gradients applied to ``name`` in the freshest weights this client holds."""
+        return self.cache.version(name)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every push sent so far is acknowledged (applied or refused)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        with self._cond:
+            while self._credit_held:
+                if self.agent.error is not None:
+                    self._check_open()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"{len(self._credit_held)} pushes unacknowledged")
+                self._cond.wait(min(left, 0.1))
+
+    def status(self, timeout: float | None = None) -> dict:
+        """The broker's status map (shards, workers, tensors, counters)."""
+        return self._request(wire.STATUS, timeout=timeout)["status"]
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Flush (up to ``timeout``), then stop the I/O thread and close every socket."""
+        if self._closed:
+            return
+        try:
+            if self.agent.error is None:
+                self.flush(timeout)
+        except TimeoutError:
+            log.warning("closing with %d pushes unacknowledged", len(self._credit_held))
+        finally:
+            with self._lock:
+                self._closed = True
+                self.agent.submit(("stop",))
+            self.agent.join(timeout=5)
+            self.agent.pipe_out.close(linger=0)
+            self.ctx.term()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def connect(url: str | None = None, **kw) -> Client:
+    """Connect to a broker's client URL (default ``$GRADBUS_BROKER`` or tcp://127.0.0.1:5555)."""
+    return Client(url, **kw)
+
+
+__all__ = ["Client", "connect", "partition_of", "DEFAULT_WINDOW"]

@@ -26,7 +26,7 @@ class ShardServer:
     def __init__(self, broker_url: str, shard_id: str | None = None, *, clock=time.monotonic,
                  ctx: zmq.Context | None = None, hello_timeout: float = 30.0,
                  heartbeat_interval: float = timing.HEARTBEAT_INTERVAL,
-                 liveness: int = timing.LIVENESS, **core_kw):
+                 liveness: int = timing.LIVENESS, apply_delay: float = 0.0, **core_kw):
         net.split_url(broker_url)
         self.broker_url = broker_url
         self.shard_id = shard_id or f"shard-{uuid.uuid4().hex[:8]}"
@@ -37,6 +37,7 @@ class ShardServer:
         self.hello_timeout = hello_timeout
         self.hb_interval = heartbeat_interval
         self.liveness = liveness
+        self.apply_delay = apply_delay   # fault injection: a slow shard (seconds per message)
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None
@@ -73,9 +74,13 @@ class ShardServer:
                                 self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id,
                                                          holds=sorted(self.core.store.partitions)))
                                 continue
+                        if self.apply_delay:
+                            time.sleep(self.apply_delay)
                         for out in self.core.handle(frames):
                             self.sock.send_multipart(out, copy=False)
                             last_sent = self.clock()
+                        if self.clock() - last_sent >= self.hb_interval:
+                            break   # a slow shard still heartbeats between messages
                 now = self.clock()
                 if now - last_sent >= self.hb_interval:
                     self.sock.send(wire.pack(wire.HEARTBEAT, info=self.core.info()))

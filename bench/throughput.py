@@ -1,0 +1,183 @@
+"""Push throughput of gradbus against a plain ZeroMQ C proxy, measured in the same run.
+
+For each configuration (gradient size x workers x shards x codec) it starts a real local cluster
+(broker + shard processes) and worker processes that push gradients of one tensor as fast as
+their credit window allows while following the tensor's weights. In the same run, the same number
+of producer processes push messages of the same size through ``zmq.proxy`` (PULL -> PUSH, the C
+loop) to as many consumers as there are shards. One JSON line per configuration:
+
+    pushes_per_s      pushes acknowledged as applied, per second, all workers
+    grad_gbps         gradient bytes (decoded fp32) applied per second, GB/s
+    updates_per_s     weight updates received by the workers, per second, all workers
+    proxy_msgs_per_s  the C proxy's one-way messages per second on the same work
+    ratio             pushes_per_s / proxy_msgs_per_s
+
+Usage: python bench/throughput.py [--quick] [--seconds S] [--sizes 64K,4M] [--codec raw]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import sys
+import time
+
+import numpy as np
+import zmq
+
+SIZES = {"64K": 64 << 10, "1M": 1 << 20, "4M": 4 << 20, "16M": 16 << 20}
+
+
+# ----------------------------------------------------------------------------- gradbus
+def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out):
+    import gradbus
+    n = nbytes // 4
+    with gradbus.connect(url, timeout=60) as c:
+        c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-6))
+        c.pull(["w"])                       # follow the tensor: fresh weights arrive by subscription
+        g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
+        t0 = time.perf_counter()
+        marks = {}
+        while True:
+            now = time.perf_counter() - t0
+            if "a" not in marks and now >= warmup:
+                marks["a"] = (now, c.stats["pushes_acked"], c.stats["updates_received"])
+            if now >= warmup + seconds:
+                marks["b"] = (now, c.stats["pushes_acked"], c.stats["updates_received"])
+                break
+            c.push({"w": g}, codec=codec, acks=1)
+        (ta, pa, ua), (tb, pb, ub) = marks["a"], marks["b"]
+        out.put({"pushes": pb - pa, "updates": ub - ua, "seconds": tb - ta})
+        c.flush(60)
+
+
+def run_gradbus(nbytes, workers, shards, codec, warmup, seconds) -> dict:
+    from gradbus.cluster import LocalCluster
+    ctx = mp.get_context("spawn")
+    with LocalCluster(shards, port=0) as cluster:
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_gradbus_worker,
+                             args=(cluster.url, i, nbytes, codec, warmup, seconds, out))
+                 for i in range(workers)]
+        for p in procs:
+            p.start()
+        res = [out.get(timeout=warmup + seconds + 120) for _ in procs]
+        for p in procs:
+            p.join(60)
+    secs = max(r["seconds"] for r in res)
+    pushes = sum(r["pushes"] for r in res) / secs
+    return {"pushes_per_s": round(pushes, 1),
+            "grad_gbps": round(pushes * nbytes / 1e9, 3),
+            "updates_per_s": round(sum(r["updates"] for r in res) / secs, 1)}
+
+
+# ----------------------------------------------------------------------------- C proxy
+def _proxy(front, back):
+    ctx = zmq.Context()
+    f = ctx.socket(zmq.PULL)
+    f.bind(front)
+    b = ctx.socket(zmq.PUSH)
+    b.bind(back)
+    try:
+        zmq.proxy(f, b)
+    except zmq.ContextTerminated:
+        pass
+
+
+def _producer(front, nbytes, stop_at):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.connect(front)
+    payload = np.ones(nbytes // 4, np.float32)
+    header = b"\x81\xa4kind\xa4push"
+    s.sndtimeo = 200
+    while time.time() < stop_at:
+        try:
+            s.send_multipart([header, payload], copy=False)
+        except zmq.Again:
+            pass
+    s.close(linger=0)
+    ctx.term()
+
+
+def _consumer(back, warmup, seconds, out):
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.connect(back)
+    n, t0 = 0, time.perf_counter()
+    ta = None
+    while True:
+        if s.poll(200):
+            s.recv_multipart(copy=False)
+            now = time.perf_counter() - t0
+            if ta is None and now >= warmup:
+                ta, n = now, 0
+            elif ta is not None:
+                n += 1
+                if now >= warmup + seconds:
+                    break
+        elif time.perf_counter() - t0 > warmup + seconds + 5:
+            break
+    out.put((n, (time.perf_counter() - t0) - (ta or 0)))
+    s.close(linger=0)
+    ctx.term()
+
+
+def run_proxy(nbytes, producers, consumers, warmup, seconds) -> float:
+    ctx = mp.get_context("spawn")
+    import socket
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    proxy = ctx.Process(target=_proxy, args=(front, back), daemon=True)
+    proxy.start()
+    out = ctx.Queue()
+    cons = [ctx.Process(target=_consumer, args=(back, warmup + 1.0, seconds, out))
+            for _ in range(consumers)]
+    for c in cons:
+        c.start()
+    stop_at = time.time() + 1.0 + warmup + seconds + 1.0
+    prods = [ctx.Process(target=_producer, args=(front, nbytes, stop_at)) for _ in range(producers)]
+    for p in prods:
+        p.start()
+    res = [out.get(timeout=warmup + seconds + 60) for _ in cons]
+    for p in prods + cons:
+        p.join(30)
+    proxy.terminate()
+    proxy.join(5)
+    return sum(n / max(t, 1e-9) for n, t in res)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="64K,1M,4M,16M")
+    ap.add_argument("--workers", default="1,2")
+    ap.add_argument("--shards", default="1,2")
+    ap.add_argument("--codec", default="raw", help="comma-separated codec chains")
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--warmup", type=float, default=1.5)
+    ap.add_argument("--quick", action="store_true", help="4M only, 2 workers, 1 shard, raw and bf16")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.sizes, a.workers, a.shards, a.codec = "4M", "2", "1", "raw,bf16"
+    for size in a.sizes.split(","):
+        nbytes = SIZES[size]
+        for w in map(int, a.workers.split(",")):
+            for s in map(int, a.shards.split(",")):
+                proxy = run_proxy(nbytes, w, s, a.warmup, a.seconds)
+                for codec in a.codec.split(","):
+                    r = run_gradbus(nbytes, w, s, codec, a.warmup, a.seconds)
+                    line = {"bench": "throughput", "size": size, "bytes": nbytes, "workers": w,
+                            "shards": s, "codec": codec, **r,
+                            "proxy_msgs_per_s": round(proxy, 1),
+                            "ratio": round(r["pushes_per_s"] / proxy, 3) if proxy else None,
+                            "cpus": os.cpu_count()}
+                    print(json.dumps(line), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,7 +16,7 @@ import time
 
 import zmq
 
-from gradbus.codecs import timing
+from gradbus.codecs import net, timing
 
 from .core import BACK, FRONT, PUB, BrokerCore
 
@@ -40,7 +40,7 @@ class BrokerServer:
         self.frontend = self._router()
         self.backend = self._router()
         self.events = self.ctx.socket(zmq.XPUB)
-        self.events.linger = 0
+        net.tune(self.events)
         self.events.sndhwm = EVENTS_SNDHWM
         self.frontend.rcvhwm = FRONTEND_RCVHWM
         self.port = self._bind(self.frontend, port)
@@ -52,7 +52,7 @@ class BrokerServer:
 
     def _router(self):
         s = self.ctx.socket(zmq.ROUTER)
-        s.linger = 0
+        net.tune(s)
         s.router_mandatory = 1
         s.setsockopt(zmq.ROUTER_HANDOVER, 1)
         s.sndtimeo = 1000

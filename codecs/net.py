@@ -14,6 +14,17 @@ from . import wire
 from .errors import GradbusError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+#: Frames below this are copied by pyzmq even with copy=False. Zero-copy sends cost a
+#: notification through pyzmq's garbage-collector thread per frame, which outweighs a memcpy
+#: for frames up to a few hundred KiB (measured: 17% of a shard's CPU at 64 KiB pushes).
+COPY_THRESHOLD = 256 << 10
+
+
+def tune(sock: zmq.Socket) -> zmq.Socket:
+    """Options every gradbus socket gets: no linger on close, the copy threshold above."""
+    sock.linger = 0
+    sock.copy_threshold = COPY_THRESHOLD
+    return sock
 
 
 def default_broker() -> str:

@@ -46,7 +46,7 @@ class ShardServer:
         host, _ = net.split_url(self.broker_url)
         welcome = net.hello(self.ctx, self.broker_url, "shard", self.hello_timeout)
         self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.linger = 0
+        net.tune(self.sock)
         self.sock.setsockopt(zmq.ROUTING_ID, self.shard_id.encode())
         self.sock.connect(net.url(host, welcome["backend"]))
         holds = sorted(self.core.store.partitions)

@@ -69,13 +69,13 @@ class Agent(threading.Thread):
     def open(self, welcome: dict, host: str) -> None:
         c = self.c
         self.dealer = self.ctx.socket(zmq.DEALER)
-        self.dealer.linger = 0
+        net.tune(self.dealer)
         self.dealer.setsockopt(zmq.ROUTING_ID, c.client_id)
         if c.curve_configure:
             c.curve_configure(self.dealer)
         self.dealer.connect(c.url)
         self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.linger = 0
+        net.tune(self.sub)
         self.sub.rcvhwm = EVENTS_RCVHWM
         if c.curve_configure:
             c.curve_configure(self.sub)

@@ -66,7 +66,10 @@ def optimizer_from_wire(d) -> Optimizer:
         raise WireError(Code.BAD_FIELD, "optimizer must be a map")
     name = d.get("name")
     if name == "sgd":
-        return SGD(_num(d, "lr", 0, lo_open=True), _num(d, "momentum", 0, 1) if "momentum" in d else 0.0)
+        momentum = _num(d, "momentum", 0, 1) if "momentum" in d else 0.0
+        if momentum >= 1:
+            raise WireError(Code.BAD_FIELD, "momentum must be below 1")
+        return SGD(_num(d, "lr", 0, lo_open=True), momentum)
     if name == "adam":
         betas = d.get("betas", [0.9, 0.999])
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:

@@ -127,7 +127,8 @@ class ShardCore:
                 errors.append([idx, Code.BAD_FIELD.value, f"bad entry: {e}"])
         for key, (g, count) in sums.items():
             blk = self.store.blocks[key]
-            blk.rule.step(blk.value, g, blk.state, self._scratch_for(blk.value.size, blk.value.dtype))
+            blk.rule.step(blk.value, g, count, blk.state,
+                          self._scratch_for(blk.value.size, blk.value.dtype))
             blk.version += count
             changed[key] = blk
         applied = sum(c for _, c in sums.values())

@@ -52,10 +52,10 @@ def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out):
         c.flush(60)
 
 
-def run_gradbus(nbytes, workers, shards, codec, warmup, seconds) -> dict:
+def run_gradbus(nbytes, workers, shards, codec, warmup, seconds, broker_args=()) -> dict:
     from gradbus.cluster import LocalCluster
     ctx = mp.get_context("spawn")
-    with LocalCluster(shards, port=0) as cluster:
+    with LocalCluster(shards, port=0, broker_args=list(broker_args)) as cluster:
         out = ctx.Queue()
         procs = [ctx.Process(target=_gradbus_worker,
                              args=(cluster.url, i, nbytes, codec, warmup, seconds, out))
@@ -73,11 +73,16 @@ def run_gradbus(nbytes, workers, shards, codec, warmup, seconds) -> dict:
 
 
 # ----------------------------------------------------------------------------- C proxy
+PROXY_HWM = 16   # bounded queues, as gradbus bounds its own; 1000 x 16 MiB would thrash memory
+
+
 def _proxy(front, back):
     ctx = zmq.Context()
     f = ctx.socket(zmq.PULL)
+    f.rcvhwm = PROXY_HWM
     f.bind(front)
     b = ctx.socket(zmq.PUSH)
+    b.sndhwm = PROXY_HWM
     b.bind(back)
     try:
         zmq.proxy(f, b)
@@ -88,6 +93,7 @@ def _proxy(front, back):
 def _producer(front, nbytes, stop_at):
     ctx = zmq.Context()
     s = ctx.socket(zmq.PUSH)
+    s.sndhwm = PROXY_HWM
     s.connect(front)
     payload = np.ones(nbytes // 4, np.float32)
     header = b"\x81\xa4kind\xa4push"
@@ -104,6 +110,7 @@ def _producer(front, nbytes, stop_at):
 def _consumer(back, warmup, seconds, out):
     ctx = zmq.Context()
     s = ctx.socket(zmq.PULL)
+    s.rcvhwm = PROXY_HWM
     s.connect(back)
     n, t0 = 0, time.perf_counter()
     ta = None

@@ -31,6 +31,8 @@ SHARD_CREDIT = 4                 # batches in flight to one shard before the bro
 MAX_BATCH_BYTES = 64 << 20       # one batch message to a shard carries at most this much tensor data
 MAX_PENDING_BYTES = 512 << 20    # above this the loop stops reading the frontend (back-pressure)
 DEDUPE_WINDOW = 100_000          # (client, msg_id) pairs remembered per client
+MAX_BLOCKS_PER_TENSOR = 1 << 20  # an INIT asking for more blocks is refused (TOO_LARGE)
+MAX_PARAM_BYTES = 1 << 40        # one parameter tensor above this is refused (TOO_LARGE)
 
 
 def _flen(frame) -> int:
@@ -112,6 +114,7 @@ class BrokerCore:
         self.lost: set[int] = set()
         self.table_version = 0
         self.seq = [0] * partitions
+        self.published_seq: dict[int, int] = {}   # p -> last seq whose UPDATE went out on events
         self.catalog: dict[str, Tensor] = {}
         self.shards: dict[str, ShardInfo] = {}
         self.by_identity: dict[bytes, str] = {}
@@ -143,14 +146,21 @@ class BrokerCore:
         c.last_seen = now
         return c
 
-    def _table_msg(self) -> list:
-        down = sorted(p for p in range(self.P)
+    def _down(self) -> list[int]:
+        """Partitions that have an owner on record but no live one."""
+        return sorted(p for p in range(self.P)
                       if p in self.lost or (self.owners[p] and not self._live(self.owners[p])))
+
+    def _available(self, p: int) -> bool:
+        """A partition can take work: unplaced (placed on first use) or owned by a live shard."""
+        return p not in self.lost and (self.owners[p] is None or self._live(self.owners[p]))
+
+    def _table_msg(self) -> list:
         return [wire.TOPIC_TABLE, wire.pack(wire.TABLE, version=self.table_version,
                                             owners=[o or "" for o in self.owners],
-                                            epochs=self.epochs, down=down)]
+                                            epochs=self.epochs, down=self._down())]
 
-    def _place(self, p: int, nbytes: int) -> str | None:
+    def _place(self, p: int) -> str | None:
         """Owner of partition p, placing it on the live shard holding fewest bytes if new."""
         owner = self.owners[p]
         if owner is not None:
@@ -179,7 +189,7 @@ class BrokerCore:
         if kind == wire.HELLO:   # discovery only: registers nobody
             return [(FRONT, identity, [wire.pack(wire.WELCOME, events=self.ports["events"],
                                                  backend=self.ports["backend"],
-                                                 partitions=self.P)]), ]
+                                                 partitions=self.P, down=self._down())])]
         if kind == wire.STATUS:   # ops tools are not workers
             return [(FRONT, identity, [wire.pack(wire.STATUS_REPLY, req=h["req"],
                                                  status=self.status(now))])]
@@ -200,6 +210,10 @@ class BrokerCore:
         except WireError as e:
             ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
             return [self._err(identity, e.code, str(e.args[0]), **ids)]
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            # a field of an unexpected shape that the schema does not pin down
+            ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
+            return [self._err(identity, Code.BAD_FIELD, f"{kind}: malformed ({e!r})", **ids)]
 
     def _push(self, client: ClientInfo, h: dict, frames: list) -> list:
         msg = h["msg"]
@@ -273,6 +287,11 @@ class BrokerCore:
             if layout.name in created:
                 raise WireError(Code.BAD_REQUEST, f"{layout.name} named twice")
             for i, key in enumerate(layout.block_keys()):
+                p = partition_of(key, self.P)
+                if not self._available(p):
+                    raise WireError(Code.SHARD_UNAVAILABLE,
+                                    f"{key}: partition {p} has no live shard "
+                                    f"(owner {self.owners[p]})")
                 g = None
                 if rule["name"] == "given":
                     g = given.get(key)
@@ -284,8 +303,6 @@ class BrokerCore:
             created.append(layout.name)
         if plan and not any(s.alive for s in self.shards.values()):
             raise WireError(Code.NO_SHARDS, "no live shard to place parameters on")
-        for name in created:
-            pass
         ref = (client.identity, msg)
         if not plan:
             reply = [wire.pack(wire.INIT_OK, msg=msg, created=[], existing=existing)]
@@ -298,7 +315,7 @@ class BrokerCore:
             p = partition_of(key, self.P)
             start, stop = layout.block_range(split_key(key)[1])
             nbytes = (stop - start) * (8 if layout.dtype == "float64" else 4)
-            owner = self._place(p, nbytes)
+            owner = self._place(p)
             self.shards[owner].bytes += nbytes
             entry = {"op": "init", "key": key, "layout": layout.to_wire(), "rule": rule,
                      "opt": opt}
@@ -326,8 +343,13 @@ class BrokerCore:
         if not isinstance(block, int) or isinstance(block, bool) or block < 1:
             raise WireError(Code.BAD_FIELD, f"{name}: block must be a positive int")
         layout = TensorLayout(name, dtype, tuple(shape), block)
-        if min(block, layout.size) * 8 > self.max_tensor_bytes:
+        itemsize = 8 if dtype == "float64" else 4
+        if min(block, layout.size) * itemsize > self.max_tensor_bytes:
             raise WireError(Code.TOO_LARGE, f"{name}: block of {block} elements above the cap")
+        if layout.size * itemsize > MAX_PARAM_BYTES or layout.nblocks > MAX_BLOCKS_PER_TENSOR:
+            raise WireError(Code.TOO_LARGE, f"{name}: {layout.size} elements in {layout.nblocks} "
+                                            f"blocks is above the limits ({MAX_PARAM_BYTES} B, "
+                                            f"{MAX_BLOCKS_PER_TENSOR} blocks)")
         rule = specs.validate_init_rule(t.get("init", {"name": "given"}))
         return layout, rule
 
@@ -422,8 +444,7 @@ class BrokerCore:
             keep = []
             for item in s.queued_snapshots:
                 client, req, keys, of = item
-                if any(self.owners[p] == s.id for p in self.pending_entries
-                       if p in {partition_of(k, self.P) for k in keys}):
+                if self._snapshot_blocked(keys):
                     keep.append(item)   # an init/push for these partitions is still queued
                     continue
                 s.snapshots.append((client, req))
@@ -431,6 +452,23 @@ class BrokerCore:
                                                              of=of, keys=keys)]))
             s.queued_snapshots = keep
         return actions
+
+    def has_flushable(self) -> bool:
+        """True when flush() would send something now (a live owner with credit is waiting)."""
+        for p in self.pending_entries:
+            s = self.shards.get(self.owners[p])
+            if s is not None and s.alive and s.inflight < self.shard_credit:
+                return True
+        return any(s.alive and any(not self._snapshot_blocked(item[2])
+                                   for item in s.queued_snapshots)
+                   for s in self.shards.values())
+
+    def _snapshot_blocked(self, keys) -> bool:
+        """A snapshot must wait while an init/push for one of its partitions is still queued,
+        so that it sees them (a client's init is answered before the blocks exist)."""
+        if not self.pending_entries:
+            return False
+        return any(partition_of(k, self.P) in self.pending_entries for k in keys)
 
     # ------------------------------------------------------------------ backend
     def on_backend(self, identity: bytes, frames: list, now: float) -> list:
@@ -449,15 +487,21 @@ class BrokerCore:
         s = self.shards.get(sid) if sid else None
         if s is None or not s.alive:
             # Unknown or declared dead: it must register again before anything else counts.
-            self.errors[Code.BAD_REQUEST.value] += 1
-            return [(BACK, identity, [wire.error(Code.BAD_REQUEST, "not registered: send register")])]
+            self.errors[Code.NOT_REGISTERED.value] += 1
+            return [(BACK, identity, [wire.error(Code.NOT_REGISTERED, "send register first")])]
         s.last_seen = now
         if kind == wire.HEARTBEAT:
             if isinstance(h.get("info"), dict):
                 s.info = h["info"]
             return []
         if kind == wire.APPLIED:
-            return self._applied(s, h, frames[1:])
+            try:
+                return self._applied(s, h, frames[1:])
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+                # A shard bug, not a client's: count it loudly; the credit was returned.
+                self.errors["bad_applied"] += 1
+                log.error("malformed APPLIED from %s: %r", s.id, e)
+                return []
         if kind == wire.SNAPSHOT_REPLY:
             client = h.get("client")
             if isinstance(client, bytes):
@@ -477,13 +521,17 @@ class BrokerCore:
 
     def _register(self, identity: bytes, h: dict, now: float) -> list:
         sid = h["shard"]
+        held = h.get("holds", [])
+        if (not sid or len(sid) > 128 or not isinstance(held, list)
+                or not all(isinstance(p, int) and 0 <= p < self.P for p in held)):
+            self.errors[Code.BAD_FIELD.value] += 1
+            return [(BACK, identity, [wire.error(Code.BAD_FIELD, "register: bad shard id or holds")])]
         s = self.shards.get(sid)
         actions = []
         if s is None:
             s = self.shards[sid] = ShardInfo(sid, identity, now)
             log.info("shard %s registered", sid)
         else:
-            held = h.get("holds", [])
             # A shard that comes back without its partitions lost them (no replica yet).
             if s.alive:
                 actions += self._shard_dead(s, now, "re-registered")
@@ -507,6 +555,8 @@ class BrokerCore:
             pub = frames[pos:pos + 1 + n]
             pos += 1 + n
             actions.append((PUB, [wire.topic_partition(p), *pub]))
+            if seq > self.published_seq.get(p, 0):
+                self.published_seq[p] = seq
             refs = self.inflight.pop((s.id, p, seq), [])
             errs = {e[0]: e for e in part.get("errors", [])}
             for i, ref in enumerate(refs):
@@ -520,7 +570,6 @@ class BrokerCore:
                 t = self.catalog.get(name)
                 if t is not None:
                     t.versions[idx] = ver
-            self.counters["pushes_applied"] += 0  # counted in _settle
         return actions
 
     def _settle(self, ref, error) -> list:
@@ -585,7 +634,12 @@ class BrokerCore:
             for s in self.shards.values():
                 if s.alive:
                     actions.append((BACK, s.identity, [hb]))
-            actions.append((PUB, [wire.TOPIC_HEARTBEAT, hb]))
+            # The events heartbeat names the last seq published per partition: a subscriber that
+            # is behind one of them lost the tail of that stream (XPUB drops on HWM) and
+            # re-snapshots, even when no later update would reveal the gap.
+            ps = sorted(self.published_seq)
+            actions.append((PUB, [wire.TOPIC_HEARTBEAT, wire.pack(
+                wire.HEARTBEAT, ps=ps, seqs=[self.published_seq[p] for p in ps])]))
         return actions
 
     # ------------------------------------------------------------------ status
@@ -601,8 +655,7 @@ class BrokerCore:
         tensors = [{"name": n, "dtype": t.layout.dtype, "shape": list(t.layout.shape),
                     "blocks": t.layout.nblocks, "version": t.version,
                     "optimizer": t.opt.get("name")} for n, t in sorted(self.catalog.items())]
-        down = sorted(p for p in range(self.P) if self.owners[p] and
-                      (p in self.lost or not self._live(self.owners[p])))
+        down = self._down()
         return {"uptime_s": round(now - self.started, 3), "partitions": self.P,
                 "partitions_assigned": sum(1 for o in self.owners if o),
                 "partitions_down": down, "table_version": self.table_version,

@@ -37,8 +37,8 @@ class BrokerServer:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.host = host
-        self.frontend = self._router()
-        self.backend = self._router()
+        self.frontend = self._router(sndtimeo=0)     # never stall the loop on one slow client
+        self.backend = self._router(sndtimeo=1000)   # shards: bounded by credit, so rarely full
         self.events = self.ctx.socket(zmq.XPUB)
         net.tune(self.events)
         self.events.sndhwm = EVENTS_SNDHWM
@@ -50,12 +50,12 @@ class BrokerServer:
         self.stopping = threading.Event()
         self.send_failures = 0
 
-    def _router(self):
+    def _router(self, sndtimeo: int):
         s = self.ctx.socket(zmq.ROUTER)
         net.tune(s)
         s.router_mandatory = 1
         s.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        s.sndtimeo = 1000
+        s.sndtimeo = sndtimeo
         return s
 
     def _bind(self, sock, port: int) -> int:
@@ -91,12 +91,19 @@ class BrokerServer:
             n += 1
             if len(msg) < 2:
                 continue  # ROUTER always gives identity + at least one frame; ignore otherwise
-            self._do(handler(msg[0].bytes, msg[1:], self.clock()))
+            try:
+                actions = handler(msg[0].bytes, msg[1:], self.clock())
+            except Exception:  # a bug must not take the broker down: count it, keep serving
+                log.exception("handler failed on a message from %r", msg[0].bytes[:32])
+                self.core.errors["INTERNAL"] += 1
+                continue
+            self._do(actions)
         return n
 
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.backend, zmq.POLLIN)
+        poller.register(self.events, zmq.POLLIN)   # subscription notices: read and discarded
         front_registered = False
         tick_every = self.core.hb_interval / 2
         next_tick = self.clock()
@@ -115,23 +122,35 @@ class BrokerServer:
                 if first_pending is not None:
                     timeout = min(timeout, max(0.0, first_pending + self.batch_window - now))
                 events = dict(poller.poll(min(timeout, 0.05) * 1000))
+                if self.events in events:
+                    self._drain_subscriptions()
                 if self.backend in events:
                     self._drain(self.backend, self.core.on_backend, DRAIN_MAX)
                 if front_registered and self.frontend in events:
                     self._drain(self.frontend, self.core.on_frontend, DRAIN_MAX)
                 now = self.clock()
-                if self.core.pending_entries or any(s.queued_snapshots
-                                                    for s in self.core.shards.values()):
+                if self.core.has_flushable():
+                    # Work a shard could take now. (Entries waiting on a shard without credit
+                    # do not count: the loop sleeps in poll until an APPLIED returns credit.)
                     if first_pending is None:
                         first_pending = now
                     if now - first_pending >= self.batch_window:
                         self._do(self.core.flush(now))
-                        first_pending = None if not self.core.pending_entries else now
+                        first_pending = None
+                else:
+                    first_pending = None
                 if now >= next_tick:
                     self._do(self.core.on_tick(now))
                     next_tick = now + tick_every
         finally:
             self.close()
+
+    def _drain_subscriptions(self) -> None:
+        for _ in range(DRAIN_MAX):
+            try:
+                self.events.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name="gradbus-broker", daemon=True)

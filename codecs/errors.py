@@ -20,9 +20,12 @@ class Code(str, enum.Enum):
     UNKNOWN_KEY = "UNKNOWN_KEY"            # the key was never initialised
     SHAPE_MISMATCH = "SHAPE_MISMATCH"      # init of an existing key with another shape/dtype
     SHARD_UNAVAILABLE = "SHARD_UNAVAILABLE"  # the shard owning the key is dead or absent
+    BROKER_UNAVAILABLE = "BROKER_UNAVAILABLE"  # the broker is silent past its liveness (client-side)
     NO_SHARDS = "NO_SHARDS"                # no live shard to place a new partition on
     NOT_FINITE = "NOT_FINITE"              # NaN or Inf in a gradient
     BAD_REQUEST = "BAD_REQUEST"            # well-formed but not acceptable
+    NOT_REGISTERED = "NOT_REGISTERED"      # a shard spoke before registering (or after being
+                                           # declared dead): it must send REGISTER again
     INTERNAL = "INTERNAL"                  # a bug: the receiver failed handling a valid message
 
 
@@ -63,6 +66,12 @@ class BackPressureError(GradbusError):
     """The client's credit window stayed full for the whole timeout."""
 
     code = Code.BAD_REQUEST
+
+
+class BrokerUnavailableError(GradbusError):
+    """The broker has been silent past its liveness window."""
+
+    code = Code.BROKER_UNAVAILABLE
 
 
 class ClosedError(GradbusError):

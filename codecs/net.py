@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
-from . import wire
+from . import timing, wire
 from .errors import GradbusError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
@@ -48,7 +48,7 @@ def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
     """Ask the broker for its ports. Retries with back-off until ``timeout`` seconds pass."""
     split_url(broker_url)
     deadline = time.monotonic() + timeout
-    wait = 0.2
+    wait = timing.RECONNECT_MIN
     while True:
         s = ctx.socket(zmq.DEALER)
         s.linger = 0
@@ -67,4 +67,4 @@ def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
             s.close()
         if time.monotonic() >= deadline:
             raise GradbusError(f"no broker answered at {broker_url} within {timeout:.1f}s")
-        wait = min(wait * 2, 2.0)
+        wait = min(wait * 2, timing.RECONNECT_MAX)

@@ -75,7 +75,10 @@ def optimizer_from_wire(d) -> Optimizer:
         if not isinstance(betas, (list, tuple)) or len(betas) != 2:
             raise WireError(Code.BAD_FIELD, "adam betas must be two numbers")
         b = {"b1": betas[0], "b2": betas[1]}
-        return Adam(_num(d, "lr", 0, lo_open=True), (_num(b, "b1", 0, 1), _num(b, "b2", 0, 1)),
+        b1, b2 = _num(b, "b1", 0, 1), _num(b, "b2", 0, 1)
+        if b1 >= 1 or b2 >= 1:
+            raise WireError(Code.BAD_FIELD, "adam betas must be below 1")
+        return Adam(_num(d, "lr", 0, lo_open=True), (b1, b2),
                     _num(d, "eps", 0, lo_open=True) if "eps" in d else 1e-8)
     if name == "adagrad":
         return Adagrad(_num(d, "lr", 0, lo_open=True),

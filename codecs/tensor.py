@@ -80,6 +80,8 @@ def encode(arr: np.ndarray, chain: str = "raw"):
     a = np.ascontiguousarray(arr)
     if a.dtype.name not in ALLOWED_DTYPES:
         raise WireError(Code.BAD_DTYPE, f"dtype {a.dtype} is not allowed")
+    if not a.dtype.isnative:   # the wire is little-endian native order: '>f4' is converted
+        a = a.astype(a.dtype.newbyteorder("="))
     if precision == "raw":
         staged = a
     elif a.dtype.kind != "f":
@@ -122,7 +124,13 @@ def decode(buf, chain: str, dtype: str, shape, max_bytes: int) -> np.ndarray:
     if precision != "raw" and dt.kind != "f":
         raise WireError(Code.BAD_CODEC, f"{precision} cannot decode to {dtype}")
     staged_len = n * _stage_itemsize(precision, dt)
-    data = memoryview(buf).cast("B") if not isinstance(buf, (bytes, bytearray)) else buf
+    if isinstance(buf, (bytes, bytearray)):
+        data = buf
+    elif isinstance(buf, np.ndarray):
+        data = buf.reshape(-1).view(np.uint8)
+    else:
+        mv = memoryview(buf)
+        data = mv.cast("B") if mv.nbytes else b""
     if use_zstd:
         try:
             size = zstandard.frame_content_size(data)
@@ -145,5 +153,9 @@ def decode(buf, chain: str, dtype: str, shape, max_bytes: int) -> np.ndarray:
     else:
         out = _bf16_decode(np.frombuffer(data, dtype=np.uint16))
         if dt != np.float32:
-            out = out.astype(dt)
-    return out.reshape(shape)
+            with np.errstate(over="ignore"):   # bf16 above float16's range decodes to inf
+                out = out.astype(dt)
+    try:
+        return out.reshape(shape)
+    except ValueError:
+        raise WireError(Code.BAD_SHAPE, f"cannot shape {out.size} elements as {list(shape)}") from None

@@ -138,8 +138,12 @@ def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
                        for s in shape)):
         _bad(Code.BAD_SHAPE, f"{key}: shape must be a list of at most {MAX_NDIM} non-negative ints")
     size = 1
+    nonzero = 1
     for s in shape:
         size *= s
+        nonzero *= max(s, 1)
+    if nonzero >= 2**62:
+        _bad(Code.BAD_SHAPE, f"{key}: shape {shape} is out of range")
     itemsize = np.dtype(dtype).itemsize
     if size * itemsize > max_tensor_bytes:
         _bad(Code.TOO_LARGE, f"{key}: {size * itemsize} B decoded is above the cap of "
@@ -171,10 +175,11 @@ def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:
         _bad(Code.BAD_FRAME, f"header is not msgpack: {type(e).__name__}")
     if not isinstance(h, dict):
         _bad(Code.BAD_FRAME, "header must be a msgpack map")
-    if h.get("v") != PROTOCOL:
+    v = h.get("v")
+    if not isinstance(v, int) or isinstance(v, bool) or v != PROTOCOL:
         _bad(Code.BAD_VERSION, f"protocol version {h.get('v')!r} not supported (want {PROTOCOL})")
     kind = h.get("kind")
-    if kind not in allowed_kinds:
+    if not isinstance(kind, str) or kind not in allowed_kinds:
         _bad(Code.UNKNOWN_KIND, f"message kind {kind!r} is not accepted here")
     for name, (types, required) in SCHEMA[kind].items():
         if name not in h:

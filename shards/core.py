@@ -39,6 +39,7 @@ class ShardCore:
         self.max_tensor_bytes = max_tensor_bytes
         self.nan_policy = nan_policy
         self._scratch: dict[str, np.ndarray] = {}
+        self._accs: dict[str, np.ndarray] = {}
         self.stats = {"batches": 0, "pushes_applied": 0, "pushes_refused": 0, "snapshots": 0,
                       "errors": 0}
 
@@ -65,6 +66,13 @@ class ShardCore:
         if buf is None or buf.size < n:
             buf = self._scratch[dtype.name] = np.empty(max(n, 1), dtype)
         return buf[:n]
+
+    def _acc_for(self, key: str, like: np.ndarray) -> np.ndarray:
+        """A reusable accumulator per block (sums never allocate after the first batch)."""
+        buf = self._accs.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = self._accs[key] = np.empty_like(like)
+        return buf
 
     def _batch(self, h: dict, descs, frames) -> list:
         out_parts, tail = [], []
@@ -105,9 +113,11 @@ class ShardCore:
                     if acc is None:
                         sums[desc.key] = [g, 1]
                     else:
-                        if acc[1] == 1:
-                            acc[0] = acc[0].astype(blk.value.dtype, copy=True)
-                        acc[0] += g
+                        if acc[1] == 1:   # first sum goes into a buffer of our own, one pass
+                            acc[0] = np.add(acc[0], g, out=self._acc_for(key=desc.key,
+                                                                         like=blk.value))
+                        else:
+                            acc[0] += g
                         acc[1] += 1
                 elif op == "init":
                     layout = TensorLayout.from_wire(ent["layout"])

@@ -14,6 +14,7 @@ import uuid
 import zmq
 
 from gradbus.codecs import net, timing, wire
+from gradbus.codecs.errors import Code, WireError
 
 from .core import ShardCore
 
@@ -49,8 +50,11 @@ class ShardServer:
         net.tune(self.sock)
         self.sock.setsockopt(zmq.ROUTING_ID, self.shard_id.encode())
         self.sock.connect(net.url(host, welcome["backend"]))
-        holds = sorted(self.core.store.partitions)
-        self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id, holds=holds))
+        self._register()
+
+    def _register(self) -> None:
+        self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id,
+                                 holds=sorted(self.core.store.partitions)))
 
     def run(self) -> None:
         try:
@@ -64,19 +68,32 @@ class ShardServer:
                         except zmq.Again:
                             break
                         last_heard = self.clock()
-                        if frames and len(frames[0]) < 64:
-                            kind = _peek_kind(frames[0])
-                            if kind == wire.REGISTERED:
-                                self.registered.set()
-                                log.info("%s registered with %s", self.shard_id, self.broker_url)
-                                continue
-                            if kind == wire.ERROR and b"not registered" in frames[0].bytes:
-                                self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id,
-                                                         holds=sorted(self.core.store.partitions)))
-                                continue
+                        if not frames:
+                            continue
+                        head = _peek(frames[0])
+                        kind = head.get("kind")
+                        if kind == wire.REGISTERED:
+                            self.registered.set()
+                            log.info("%s registered with %s", self.shard_id, self.broker_url)
+                            continue
+                        if kind == wire.ERROR and head.get("code") == Code.NOT_REGISTERED.value:
+                            # declared dead while alive (a stall): register again
+                            self.registered.clear()
+                            self._register()
+                            continue
+                        if kind in (wire.HEARTBEAT, wire.ERROR):
+                            if kind == wire.ERROR:
+                                log.warning("broker error: %s", head.get("message"))
+                            continue
                         if self.apply_delay:
                             time.sleep(self.apply_delay)
-                        for out in self.core.handle(frames):
+                        try:
+                            outs = self.core.handle(frames)
+                        except Exception:   # a bug must not take the shard down
+                            log.exception("%s failed handling a %s", self.shard_id, kind)
+                            self.core.stats["errors"] += 1
+                            continue
+                        for out in outs:
                             self.sock.send_multipart(out, copy=False)
                             last_sent = self.clock()
                         if self.clock() - last_sent >= self.hb_interval:
@@ -114,9 +131,10 @@ class ShardServer:
             self.ctx.term()
 
 
-def _peek_kind(frame) -> str | None:
+def _peek(frame) -> dict:
+    """The header of a message from the broker, or {} if it does not parse (the core will
+    report it)."""
     try:
-        h = wire.unpack_header(frame, frozenset(wire.SCHEMA))
-        return h["kind"]
-    except Exception:
-        return None
+        return wire.unpack_header(frame, wire.SHARD_KINDS)
+    except WireError:
+        return {}

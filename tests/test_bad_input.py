@@ -69,6 +69,18 @@ CASES = {
                    b"\0" * 256], "BAD_CODEC"),
     "bad optimizer": ([_hdr(kind="init", msg=8, opt={"name": "rmsprop", "lr": 1}, tensors=[])],
                       "BAD_FIELD"),
+    "adam beta of 1": ([_hdr(kind="init", msg=9, opt={"name": "adam", "lr": 1, "betas": [1, 0.9]},
+                             tensors=[])], "BAD_FIELD"),
+    "unhashable kind": ([_hdr(kind=[], msg=10)], "UNKNOWN_KIND"),
+    "tensors not maps": ([_hdr(kind="init", msg=11, opt={"name": "sgd", "lr": 1},
+                               tensors=[1, 2])], "BAD_FIELD"),
+    "huge init": ([_hdr(kind="init", msg=12, opt={"name": "sgd", "lr": 1},
+                        tensors=[{"name": "h", "dtype": "float32", "shape": [2**39, 2**39],
+                                  "block": 1, "init": {"name": "zeros"}}])], "TOO_LARGE"),
+    "many blocks": ([_hdr(kind="init", msg=13, opt={"name": "sgd", "lr": 1},
+                          tensors=[{"name": "h", "dtype": "float32", "shape": [2**30],
+                                    "block": 1, "init": {"name": "zeros"}}])], "TOO_LARGE"),
+    "snapshot keys not strings": ([_hdr(kind="snapshot", req=14, keys=[1])], "BAD_FIELD"),
 }
 
 
@@ -106,7 +118,7 @@ def test_backend_garbage_and_unregistered(cluster):
         s.send_multipart([b"\x00\x01garbage", b"x"])
         assert _reply(s)["code"] == "BAD_FRAME"
         s.send_multipart([wire.pack(wire.APPLIED, parts=[])])
-        assert _reply(s)["code"] == "BAD_REQUEST"   # not registered
+        assert _reply(s)["code"] == "NOT_REGISTERED"
     finally:
         s.close()
 

@@ -158,3 +158,59 @@ def test_shard_killed_is_noticed_and_errors_are_clear(make_cluster):
             c.pull([dead_keys[0]], min_version=5, timeout=10)
         c.push({live_keys[0]: np.ones(16, np.float32)}).result(10)
         assert c.pull([live_keys[0]], min_version=1)[live_keys[0]][0] == -1.0
+
+
+def test_push_does_not_alias_the_callers_array(make_cluster):
+    cluster = make_cluster(1)
+    n = 300_000
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        G = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+        g = G.copy()
+        for codec in ("raw", "zstd", "raw|zstd"):
+            c.push({"w": g}, codec=codec)
+            g[:] = 1e6                                   # the caller reuses its buffer at once
+            g[:] = G
+        c.flush()
+        w = c.pull(["w"], min_version=3)["w"]
+    assert np.array_equal(w, -3 * G)    # every push sent G, none the overwritten values
+
+
+def test_restarted_client_with_same_id_is_not_deduplicated(make_cluster):
+    cluster = make_cluster(1)
+    for round_ in range(2):
+        with gradbus.connect(cluster.url, client_id="same-worker") as c:
+            if round_ == 0:
+                c.init({"w": np.zeros(4, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+            for f in [c.push({"w": np.ones(4, np.float32)}) for _ in range(3)]:
+                f.result(10)
+    with gradbus.connect(cluster.url) as c:
+        assert np.array_equal(c.pull(["w"], min_version=6)["w"], np.full(4, -6.0, np.float32))
+
+
+def test_init_on_a_dead_shards_partition_fails_fast(make_cluster):
+    from gradbus.codecs.partition import partition_of
+    cluster = make_cluster(2)
+    with gradbus.connect(cluster.url, timeout=20) as c:
+        c.init({f"t{i}": np.zeros(4, np.float32) for i in range(32)})
+        st = admin.status(cluster.url)
+        cluster.kill_shard("shard-0")
+        wait_for(lambda: not next(s for s in admin.status(cluster.url)["shards"]
+                                  if s["id"] == "shard-0")["alive"], 5, "shard-0 declared dead")
+        down = set(admin.status(cluster.url)["partitions_down"])
+        P = st["partitions"]
+        name = next(f"x{i}" for i in range(10_000) if partition_of(f"x{i}/0", P) in down)
+        with pytest.raises(gradbus.ShardUnavailableError):
+            c.init({name: np.zeros(4, np.float32)}, timeout=5)
+
+
+def test_broker_death_is_a_clear_error(make_cluster):
+    import signal
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url, timeout=30) as c:
+        c.init({"w": np.zeros(4, np.float32)})
+        cluster.broker_proc.send_signal(signal.SIGKILL)
+        cluster.broker_proc.wait(10)
+        with pytest.raises(gradbus.BrokerUnavailableError):
+            c.pull(["w"], min_version=1)
+        assert not c.broker_alive

@@ -28,3 +28,25 @@ def test_slow_shard_back_pressures_then_drains(make_cluster):
         w = c.pull(["w"], min_version=9, timeout=20)["w"]
     assert np.array_equal(w, np.full(n, -9 * 0.5 * 0.25, np.float32))
     assert admin.status(cluster.url)["counters"]["pushes_applied"] == 9
+
+
+def test_stalled_shard_declared_dead_rejoins_after_sigcont(make_cluster):
+    import signal
+
+    from .conftest import wait_for
+
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url, timeout=20) as c:
+        c.init({"w": np.zeros(8, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        proc = cluster.shard_procs["shard-0"]
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: not admin.status(cluster.url)["shards"][0]["alive"], 10,
+                     "the stalled shard to be declared dead")
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        st = wait_for(lambda: (lambda s: s if s["shards"][0]["alive"] else None)(
+            admin.status(cluster.url)), 10, "the shard to register again")
+        assert not st["partitions_down"]       # it came back holding its partitions
+        c.push({"w": np.ones(8, np.float32)}).result(10)
+        assert np.array_equal(c.pull(["w"], min_version=1)["w"], np.full(8, -1.0, np.float32))

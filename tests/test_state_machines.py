@@ -299,3 +299,24 @@ def test_cache_version_is_min_over_blocks():
     snap = {partition_of(k, 4): 1 for k in keys}
     cache.on_snapshot(snap, [(k, np.zeros(2, np.float32), i + 3) for i, k in enumerate(keys)])
     assert cache.version("w") == 3
+
+
+def test_cache_heartbeat_reveals_a_dropped_tail():
+    cache, layout, parts, keys = _cache_with()
+    snap = {partition_of(k, 4): 3 for k in keys}
+    cache.on_snapshot(snap, [(k, np.zeros(2, np.float32), 3) for k in keys])
+    p = partition_of(keys[0], 4)
+    assert cache.on_heartbeat([p], [3]) == []          # up to date
+    assert cache.on_heartbeat([p], [4]) == [p]         # seq 4 was published, never seen
+    assert cache.parts[p].resync
+
+
+def test_broker_heartbeat_names_published_seqs():
+    rig = Rig(("s0",))
+    frames, layout = init_msg(1, "w", np.zeros(4, np.float32))
+    rig.client(b"c", frames)
+    rig.client(b"c", push_msg(2, layout, np.ones(4, np.float32)))
+    rig.deliver(rig.broker.on_tick(1.0))
+    hb = [unpack(m[1]) for m in rig.published if m[0] == wire.TOPIC_HEARTBEAT][-1]
+    p = partition_of("w/0", 16)
+    assert dict(zip(hb["ps"], hb["seqs"]))[p] == 2

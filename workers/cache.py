@@ -23,6 +23,9 @@ class Part:
     resync: bool = True           # a snapshot of every tracked key is in flight
     keys: set = field(default_factory=set)
     buffered: list = field(default_factory=list)
+    # keys added to a partition already in sync, whose snapshot is in flight: the newest update
+    # seen for each meanwhile, (seq, array, version), applied if newer than the snapshot
+    pending: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -55,6 +58,8 @@ class WeightCache:
             if key not in part.keys:
                 part.keys.add(key)
                 keys.append(key)
+                if p not in new_parts:
+                    part.pending[key] = None
         return new_parts, keys
 
     def tracked(self, name: str) -> bool:
@@ -72,6 +77,10 @@ class WeightCache:
         for key, arr, ver in blocks:
             p = partition_of(key, self.P)
             seq = int(parts.get(p, 0))
+            part = self.parts.get(p)
+            newer = part.pending.pop(key, None) if part is not None else None
+            if newer is not None and newer[0] > seq:
+                seq, arr, ver = newer
             cur = self.blocks.get(key)
             if cur is None or seq >= cur.seq:
                 self.blocks[key] = Block(_frozen(arr), ver, seq)
@@ -109,10 +118,28 @@ class WeightCache:
         part.last_seq = seq
         self.stats["updates"] += 1
         for key, arr, ver in blocks:
+            if key in part.pending:
+                held = part.pending[key]
+                if held is None or seq > held[0]:
+                    part.pending[key] = (seq, arr, ver)
+                continue
             cur = self.blocks.get(key)
             if cur is not None and seq > cur.seq:
                 self.blocks[key] = Block(_frozen(arr), ver, seq)
         return False
+
+    def on_heartbeat(self, ps, seqs) -> list[int]:
+        """The broker's last published seq per partition. Returns in-sync partitions that are
+        behind it (their tail was dropped); they are put in resync."""
+        behind = []
+        for p, seq in zip(ps, seqs):
+            part = self.parts.get(p)
+            if part is not None and not part.resync and part.last_seq < seq:
+                self.stats["gaps"] += 1
+                part.resync = True
+                part.buffered = []
+                behind.append(p)
+        return behind
 
     def resync_keys(self, p: int) -> list[str]:
         return sorted(self.parts[p].keys)

@@ -1,7 +1,7 @@
 """The client SDK: :class:`Client` (the user's side) and :class:`Agent` (the I/O thread).
 
 The agent thread owns every socket: a DEALER to the broker's frontend and a SUB to its events.
-The user's threads hand it work through a queue and a one-byte wake-up on an inproc PAIR (the
+The user's threads hand it work through a queue and an empty wake-up frame on an inproc PAIR (the
 zguide's Clone-client shape); results come back as ``concurrent.futures.Future`` objects, and
 fresh weights land in a :class:`~gradbus.workers.cache.WeightCache` that ``pull()`` reads
 without a round trip.
@@ -25,8 +25,8 @@ import zmq
 
 from gradbus.codecs import net, specs, timing, wire
 from gradbus.codecs import tensor as tcodec
-from gradbus.codecs.errors import (BackPressureError, ClosedError, Code, GradbusError,
-                                   ShardUnavailableError, WireError, error_from)
+from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError, ClosedError, Code,
+                                   GradbusError, ShardUnavailableError, WireError, error_from)
 from gradbus.codecs.partition import (DEFAULT_BLOCK_BYTES, TensorLayout, block_elems_for,
                                       partition_of)
 
@@ -37,6 +37,7 @@ log = logging.getLogger("gradbus.client")
 DEFAULT_WINDOW = 32          # unacknowledged pushes per client
 DEFAULT_TIMEOUT = 30.0       # seconds for init/pull/flush round trips
 EVENTS_RCVHWM = 64
+SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried again
 
 
 class Agent(threading.Thread):
@@ -58,6 +59,9 @@ class Agent(threading.Thread):
         self.futures: dict[tuple[str, int], Future] = {}
         self.snap_parts: dict[int, list] = {}      # req -> [replies...]
         self.snap_need: dict[int, int] = {}
+        self.internal: dict[int, list[str]] = {}   # req -> keys of a re-snapshot with no waiter
+        self.retries: list = []                      # (when, keys) re-snapshots to try again
+        self.last_heard = time.monotonic()
         self.stop_flag = False
         self.error: BaseException | None = None
 
@@ -81,6 +85,7 @@ class Agent(threading.Thread):
             c.curve_configure(self.sub)
         self.sub.connect(net.url(host, welcome["events"]))
         self.sub.subscribe(wire.TOPIC_TABLE)
+        self.sub.subscribe(wire.TOPIC_HEARTBEAT)
         self.dealer.send(wire.pack(wire.HEARTBEAT))  # registers this worker with the broker
 
     def run(self) -> None:
@@ -100,11 +105,21 @@ class Agent(threading.Thread):
                             break
                 while self.cmds:
                     self._command(self.cmds.popleft())
+                now = time.monotonic()
                 if self.dealer in ready:
+                    self.last_heard = now
                     self._drain(self.dealer, self._on_reply)
                 if self.sub in ready:
+                    self.last_heard = now
                     self._drain(self.sub, self._on_event)
-                now = time.monotonic()
+                silent = now - self.last_heard > timing.HEARTBEAT_INTERVAL * timing.LIVENESS
+                if silent != self.c._broker_silent:
+                    with self.c._cond:
+                        self.c._broker_silent = silent
+                        self.c._cond.notify_all()
+                if self.retries and self.retries[0][0] <= now:
+                    _, keys = self.retries.pop(0)
+                    self._snapshot(keys, None)
                 if now - last_hb >= timing.HEARTBEAT_INTERVAL:
                     self.dealer.send(hb)
                     last_hb = now
@@ -165,6 +180,8 @@ class Agent(threading.Thread):
         req = next(self.c._ids)
         if fut is not None:
             self.futures[("req", req)] = fut
+        else:
+            self.internal[req] = keys
         self.snap_parts[req] = []
         self.dealer.send(wire.pack(wire.SNAPSHOT, req=req, keys=keys))
 
@@ -179,6 +196,10 @@ class Agent(threading.Thread):
         elif kind in (wire.CATALOG_REPLY, wire.STATUS_REPLY) or (kind == wire.ERROR and "req" in h):
             req = h.get("req")
             self.snap_parts.pop(req, None)
+            keys = self.internal.pop(req, None)
+            if keys is not None and kind == wire.ERROR:
+                # a re-snapshot failed (e.g. the shard is down): try again later
+                self.retries.append((time.monotonic() + SNAPSHOT_RETRY, keys))
             fut = self.futures.pop(("req", req), None)
             if fut is not None and not fut.done():
                 if kind == wire.ERROR:
@@ -224,6 +245,7 @@ class Agent(threading.Thread):
         if len(got) < int(h.get("of", 1)):
             return
         del self.snap_parts[req]
+        self.internal.pop(req, None)
         missing = [m for _, _, ms in got for m in ms]
         with self.c._cond:
             again = set()
@@ -248,6 +270,15 @@ class Agent(threading.Thread):
             with self.c._cond:
                 self.c.cache.down = set(h.get("down", []))
                 self.c._cond.notify_all()
+            return
+        if topic == wire.TOPIC_HEARTBEAT:
+            h = wire.unpack_header(frames[1], frozenset({wire.HEARTBEAT}))
+            ps, seqs = h.get("ps") or [], h.get("seqs") or []
+            if isinstance(ps, list) and isinstance(seqs, list) and len(ps) == len(seqs):
+                with self.c._cond:
+                    behind = self.c.cache.on_heartbeat(ps, seqs)
+                for p in behind:
+                    self._snapshot(self.c.cache.resync_keys(p), None)
             return
         if not topic.startswith(b"p"):
             return
@@ -288,24 +319,29 @@ class Client:
         if isinstance(client_id, str):
             client_id = client_id.encode()
         self.client_id = client_id or uuid.uuid4().bytes
+        self.window = window
         self.timeout = timeout
         self.block_bytes = block_bytes
         self.codec = codec
         self.max_tensor_bytes = max_tensor_bytes
         self.curve_configure = curve_configure
         self.stats = collections.Counter()
-        self._ids = itertools.count(1)
+        # Message ids start from the wall clock in microseconds, so a worker restarted with the
+        # same client_id never reuses an id the broker's duplicate window still remembers.
+        self._ids = itertools.count(time.time_ns() // 1000)
         self._lock = threading.Lock()
         self._cond = threading.Condition()
         self._credit = threading.BoundedSemaphore(window)
         self._credit_held: set = set()
         self._async_errors: list = []
+        self._broker_silent = False
         self._closed = False
         self.ctx = zmq.Context()
         try:
             welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure)
             self.partitions = welcome["partitions"]
             self.cache = WeightCache(self.partitions)
+            self.cache.down = set(welcome.get("down") or [])
             self.agent = Agent(self)
             self.agent.open(welcome, host)
         except BaseException:
@@ -406,7 +442,7 @@ class Client:
         if acks not in (0, 1):
             raise ValueError("acks must be 0 or 1 (acks='all' needs replicas)")
         chain = codec or self.codec
-        tcodec.parse_chain(chain)
+        precision, _ = tcodec.parse_chain(chain)
         if not isinstance(grads, dict) or not grads:
             raise ValueError("push takes a non-empty dict of name -> gradient array")
         if self._async_errors:
@@ -420,8 +456,7 @@ class Client:
                 raise ValueError(f"{name}: gradient shape {arr.shape} does not match "
                                  f"{layout.shape}")
             flat = arr.astype(layout.dtype, copy=False).reshape(-1)
-            raw = chain.split("|")[0] in ("raw", "")
-            if raw:
+            if precision == "raw":
                 flat = flat.copy()  # the caller may reuse its buffer; frames go zero-copy
             for i, key in enumerate(layout.block_keys()):
                 a, b = layout.block_range(i)
@@ -429,8 +464,9 @@ class Client:
                 descs.append(d)
                 bufs.append(buf)
         if not self._credit.acquire(timeout=timeout if timeout is not None else self.timeout):
-            raise BackPressureError(f"{self.stats['window_full']} pushes waiting: credit window "
-                                    f"full for {timeout or self.timeout}s")
+            self.stats["window_full"] += 1
+            raise BackPressureError(f"credit window of {self.window} unacknowledged pushes still "
+                                    f"full after {timeout if timeout is not None else self.timeout}s")
         fut: Future = Future()
         extra = {"ver": int(version)} if version is not None else {}
         try:
@@ -480,6 +516,10 @@ class Client:
                 if ready and (min_version is None or
                               all(self.cache.version(n) >= min_version for n in names)):
                     return {n: self.cache.tensor(n) for n in names}
+                if self._broker_silent:
+                    raise BrokerUnavailableError(
+                        f"the broker at {self.url} has been silent for over "
+                        f"{timing.HEARTBEAT_INTERVAL * timing.LIVENESS:.1f}s")
                 down = set().union(*(self.cache.unavailable(n) for n in names
                                      if n in self.cache.layouts))
                 if down:
@@ -492,6 +532,11 @@ class Client:
                                        f"{timeout}s (have {have})")
                 self._cond.wait(min(left, 0.1))
 
+    @property
+    def broker_alive(self) -> bool:
+        """False once the broker has been silent (no heartbeat, no reply) past its liveness."""
+        return not self._broker_silent
+
     def version(self, name: str) -> int:
         """Gradients applied to ``name`` in the freshest weights this client holds."""
         return self.cache.version(name)
@@ -503,6 +548,10 @@ class Client:
             while self._credit_held:
                 if self.agent.error is not None:
                     self._check_open()
+                if self._broker_silent:
+                    raise BrokerUnavailableError(
+                        f"{len(self._credit_held)} pushes unacknowledged and the broker at "
+                        f"{self.url} is silent")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"{len(self._credit_held)} pushes unacknowledged")

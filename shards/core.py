@@ -20,6 +20,7 @@ from gradbus.codecs import wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import TensorLayout
 
+from . import backend as backend_mod
 from .store import ParameterStore
 
 log = logging.getLogger("gradbus.shard")
@@ -29,12 +30,15 @@ NAN_POLICIES = ("refuse", "allow")
 
 class ShardCore:
     def __init__(self, shard_id: str, *, weights_codec: str = "raw",
-                 max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, nan_policy: str = "refuse"):
+                 max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, nan_policy: str = "refuse",
+                 backend=None):
         if nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy must be one of {NAN_POLICIES}")
         wire.tcodec.parse_chain(weights_codec)
         self.shard_id = shard_id
-        self.store = ParameterStore()
+        # Chosen (and any JIT compiled) here, before the shard's loop starts heartbeating.
+        self.backend = backend or backend_mod.load()
+        self.store = ParameterStore(self.backend)
         self.weights_codec = weights_codec
         self.max_tensor_bytes = max_tensor_bytes
         self.nan_policy = nan_policy
@@ -64,14 +68,14 @@ class ShardCore:
     def _scratch_for(self, n: int, dtype) -> np.ndarray:
         buf = self._scratch.get(dtype.name)
         if buf is None or buf.size < n:
-            buf = self._scratch[dtype.name] = np.empty(max(n, 1), dtype)
+            buf = self._scratch[dtype.name] = self.backend.xp.empty(max(n, 1), dtype)
         return buf[:n]
 
     def _acc_for(self, key: str, like: np.ndarray) -> np.ndarray:
         """A reusable accumulator per block (sums never allocate after the first batch)."""
         buf = self._accs.get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = self._accs[key] = np.empty_like(like)
+            buf = self._accs[key] = self.backend.xp.empty_like(like)
         return buf
 
     def _batch(self, h: dict, descs, frames) -> list:
@@ -109,16 +113,7 @@ class ShardCore:
                     g = wire.decode_tensor(desc, frames[i], self.max_tensor_bytes)
                     if self.nan_policy == "refuse" and not np.isfinite(g).all():
                         raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
-                    acc = sums.get(desc.key)
-                    if acc is None:
-                        sums[desc.key] = [g, 1]
-                    else:
-                        if acc[1] == 1:   # first sum goes into a buffer of our own, one pass
-                            acc[0] = np.add(acc[0], g, out=self._acc_for(key=desc.key,
-                                                                         like=blk.value))
-                        else:
-                            acc[0] += g
-                        acc[1] += 1
+                    sums.setdefault(desc.key, []).append(g)
                 elif op == "init":
                     layout = TensorLayout.from_wire(ent["layout"])
                     given = None
@@ -135,13 +130,18 @@ class ShardCore:
                 errors.append([idx, e.code.value, str(e.args[0])])
             except (KeyError, TypeError, ValueError, IndexError) as e:
                 errors.append([idx, Code.BAD_FIELD.value, f"bad entry: {e}"])
-        for key, (g, count) in sums.items():
+        be = self.backend
+        for key, grads in sums.items():
             blk = self.store.blocks[key]
-            blk.rule.step(blk.value, g, count, blk.state,
+            if len(grads) == 1:
+                g = be.asarray(grads[0])
+            else:   # the batch's sum, in batch order, in one pass over the gradients
+                g = be.sum_into(self._acc_for(key, blk.value), [be.asarray(x) for x in grads])
+            blk.rule.step(blk.value, g, len(grads), blk.state,
                           self._scratch_for(blk.value.size, blk.value.dtype))
-            blk.version += count
+            blk.version += len(grads)
             changed[key] = blk
-        applied = sum(c for _, c in sums.values())
+        applied = sum(len(g) for g in sums.values())
         self.stats["pushes_applied"] += applied
         self.stats["pushes_refused"] += sum(1 for e in errors)
         return self._result(p, seq, epoch, errors, changed)
@@ -149,7 +149,7 @@ class ShardCore:
     def _result(self, p, seq, epoch, errors, changed, duplicate=False):
         descs, bufs = [], []
         for blk in changed.values():
-            value = blk.value.copy() if self.weights_codec == "raw" else blk.value
+            value = self._host_copy(blk.value)
             d, buf = wire.encode_tensor(blk.key, value, self.weights_codec, blk.version)
             descs.append(d)
             bufs.append(buf)
@@ -160,6 +160,11 @@ class ShardCore:
             res["dup"] = True
         return res, [pub, *bufs]
 
+    def _host_copy(self, value):
+        """A host array that no later step will write to (frames are sent zero-copy)."""
+        host = self.backend.to_host(value)
+        return host.copy() if host is value else host
+
     # -- snapshots ---------------------------------------------------------------------------
     def _snapshot(self, h: dict) -> list:
         self.stats["snapshots"] += 1
@@ -169,7 +174,7 @@ class ShardCore:
             if blk is None:
                 missing.append(key)
                 continue
-            d, buf = wire.encode_tensor(key, blk.value.copy(), "raw", blk.version)
+            d, buf = wire.encode_tensor(key, self._host_copy(blk.value), "raw", blk.version)
             descs.append(d)
             bufs.append(buf)
             parts[blk.p] = self.store.partition(blk.p).seq
@@ -190,5 +195,5 @@ class ShardCore:
             blk = self.store.blocks[key]
             hsh.update(key.encode())
             hsh.update(blk.version.to_bytes(8, "little"))
-            hsh.update(blk.value.tobytes())
+            hsh.update(self.backend.to_host(blk.value).tobytes())
         return hsh.hexdigest()

@@ -1,4 +1,4 @@
-"""Optimizers: the one module that holds the update math. Every step updates in place.
+"""Optimizers: the rules the shard applies to each block. Every step updates in place.
 
 Each rule is a class with ``state(n, dtype)`` (the per-block state arrays) and
 ``step(w, g, k, state, scratch)``: ``g`` is the *sum* of a batch of ``k`` gradients for the flat
@@ -10,94 +10,63 @@ state advances in closed form by ``k`` steps (Adam's ``t += k``, ``m = b1^k m + 
 exactly ``w -= lr * sum``; momentum is exact for ``k`` equal gradients; Adam (exact for equal
 gradients from a fresh state) moves ``k`` times the step taken at the advanced state, Adagrad
 ``k`` times the step taken at the middle of the ``k`` accumulations.
+
+The elementwise math (closed-form coefficients and kernels) is in :mod:`.backend`. A rule runs
+on the backend it was made with: by default :data:`CPU`, chunked numpy; ``backend.load()``
+selects CuPy, or numba's fused loops, when they are usable.
 """
 from __future__ import annotations
 
-import numpy as np
-
 from gradbus.codecs import specs
+
+from .backend import NumpyBackend
+
+CPU = NumpyBackend(jit=False)
 
 
 class SGDRule:
-    def __init__(self, spec: specs.SGD):
-        self.lr, self.momentum = spec.lr, spec.momentum
+    def __init__(self, spec: specs.SGD, backend=CPU):
+        self.lr, self.momentum, self.be = spec.lr, spec.momentum, backend
 
     def state(self, n: int, dtype) -> dict:
-        return {"v": np.zeros(n, dtype)} if self.momentum else {}
+        return {"v": self.be.xp.zeros(n, dtype)} if self.momentum else {}
 
-    def step(self, w: np.ndarray, g: np.ndarray, k: int, st: dict, scratch: np.ndarray) -> None:
-        if not self.momentum:
-            np.multiply(g, w.dtype.type(self.lr), out=scratch)
-            w -= scratch
-            return
-        m, v = self.momentum, st["v"]
-        mk = m ** k
-        s = m * (1.0 - mk) / (1.0 - m)           # sum_{i=1..k} m^i
-        # sum of the k velocities: v*s + mean/(1-m) * (k - s); then v_k = m^k v + mean (1-m^k)/(1-m)
-        np.multiply(v, self.lr * s, out=scratch)
-        w -= scratch
-        np.multiply(g, self.lr * (k - s) / (k * (1.0 - m)), out=scratch)
-        w -= scratch
-        v *= mk
-        np.multiply(g, (1.0 - mk) / (k * (1.0 - m)), out=scratch)
-        v += scratch
+    def step(self, w, g, k: int, st: dict, scratch) -> None:
+        if self.momentum:
+            self.be.momentum_step(w, g, st["v"], k, self.lr, self.momentum, scratch)
+        else:
+            self.be.sgd_step(w, g, self.lr, scratch)
 
 
 class AdamRule:
-    def __init__(self, spec: specs.Adam):
-        self.lr, (self.b1, self.b2), self.eps = spec.lr, spec.betas, spec.eps
+    def __init__(self, spec: specs.Adam, backend=CPU):
+        self.lr, (self.b1, self.b2), self.eps, self.be = spec.lr, spec.betas, spec.eps, backend
 
     def state(self, n: int, dtype) -> dict:
-        return {"m": np.zeros(n, dtype), "v": np.zeros(n, dtype), "t": 0}
+        return {"m": self.be.xp.zeros(n, dtype), "v": self.be.xp.zeros(n, dtype), "t": 0}
 
-    def step(self, w, g, k, st, scratch) -> None:
-        m, v = st["m"], st["v"]
-        st["t"] = t = st["t"] + k
-        b1k, b2k = self.b1 ** k, self.b2 ** k
-        m *= b1k
-        np.multiply(g, (1.0 - b1k) / k, out=scratch)
-        m += scratch
-        v *= b2k
-        np.multiply(g, g, out=scratch)
-        scratch *= (1.0 - b2k) / (k * k)
-        v += scratch
-        # w -= k * lr * mhat / (sqrt(vhat) + eps), mhat = m/(1-b1^t), vhat = v/(1-b2^t)
-        np.multiply(v, 1.0 / (1.0 - self.b2 ** t), out=scratch)
-        np.sqrt(scratch, out=scratch)
-        scratch += self.eps
-        np.divide(m, scratch, out=scratch)
-        scratch *= k * self.lr / (1.0 - self.b1 ** t)
-        w -= scratch
+    def step(self, w, g, k: int, st: dict, scratch) -> None:
+        st["t"] += k
+        self.be.adam_step(w, g, st["m"], st["v"], k, st["t"], self.lr, self.b1, self.b2,
+                          self.eps, scratch)
 
 
 class AdagradRule:
-    def __init__(self, spec: specs.Adagrad):
-        self.lr, self.eps = spec.lr, spec.eps
+    def __init__(self, spec: specs.Adagrad, backend=CPU):
+        self.lr, self.eps, self.be = spec.lr, spec.eps, backend
 
     def state(self, n: int, dtype) -> dict:
-        return {"h": np.zeros(n, dtype)}
+        return {"h": self.be.xp.zeros(n, dtype)}
 
-    def step(self, w, g, k, st, scratch) -> None:
-        h = st["h"]
-        # the step is taken at the middle of the k accumulations: h + (k+1)/2 * mean^2
-        np.multiply(g, g, out=scratch)
-        scratch *= (k + 1) / (2.0 * k * k)
-        scratch += h
-        np.sqrt(scratch, out=scratch)
-        scratch += self.eps
-        np.divide(g, scratch, out=scratch)       # k * mean / (sqrt(h_mid) + eps)
-        scratch *= self.lr
-        w -= scratch
-        np.multiply(g, g, out=scratch)
-        scratch *= 1.0 / k                       # h += k * mean^2
-        h += scratch
+    def step(self, w, g, k: int, st: dict, scratch) -> None:
+        self.be.adagrad_step(w, g, st["h"], k, self.lr, self.eps, scratch)
 
 
-def make_rule(spec: specs.Optimizer):
+def make_rule(spec: specs.Optimizer, backend=CPU):
     if isinstance(spec, specs.SGD):
-        return SGDRule(spec)
+        return SGDRule(spec, backend)
     if isinstance(spec, specs.Adam):
-        return AdamRule(spec)
+        return AdamRule(spec, backend)
     if isinstance(spec, specs.Adagrad):
-        return AdagradRule(spec)
+        return AdagradRule(spec, backend)
     raise TypeError(f"no rule for {spec!r}")

@@ -8,7 +8,7 @@ import numpy as np
 from gradbus.codecs import specs
 from gradbus.codecs.partition import TensorLayout, split_key
 
-from .optim import make_rule
+from .optim import CPU, make_rule
 
 
 @dataclass
@@ -59,7 +59,10 @@ class PartitionState:
 
 
 class ParameterStore:
-    def __init__(self):
+    """Blocks live in the backend's memory (device memory for CuPy)."""
+
+    def __init__(self, backend=CPU):
+        self.backend = backend
         self.blocks: dict[str, Block] = {}
         self.partitions: dict[int, PartitionState] = {}
 
@@ -76,8 +79,8 @@ class ParameterStore:
         if blk is not None:
             return blk, False
         _, index = split_key(key)
-        value = initial_values(layout, index, rule, given)
-        optimizer = make_rule(specs.optimizer_from_wire(opt))
+        value = self.backend.asarray(initial_values(layout, index, rule, given))
+        optimizer = make_rule(specs.optimizer_from_wire(opt), self.backend)
         blk = Block(key, layout, index, value, optimizer,
                     optimizer.state(value.size, value.dtype), 0, p)
         self.blocks[key] = blk

@@ -1,0 +1,380 @@
+"""Array backends for the shard's update math: numpy on the host, or CuPy on a CUDA device.
+
+:func:`load` picks one from ``GRADBUS_BACKEND``: ``numpy``, ``cupy``, or ``auto`` (the default:
+cupy when it imports and sees a device, else numpy). Every backend has the same interface:
+
+* ``xp`` (the array module), ``asarray(a, dtype=None)``, ``to_host(a)`` (a numpy array);
+* ``sum_into(out, grads)``: ``out = grads[0] + grads[1] + ...``, added in list order;
+* ``sgd_step``, ``momentum_step``, ``adam_step``, ``adagrad_step``: one in-place optimizer step
+  from ``g``, the *sum* of ``k`` gradients, applied as ``k`` steps of their mean in closed form
+  (the semantics are stated in ``shards/optim.py``; the coefficients are computed here, once,
+  for every backend);
+* ``scatter_add(dense, indices, values)``: ``dense[indices] += values``, duplicates accumulating.
+
+Arrays are flat (1-D), of one dtype. The numpy backend walks them in chunks of ``chunk_bytes``
+per array through one chunk-sized temporary, so every pass after a chunk's first stays in cache.
+With ``jit`` (what ``load()`` asks for: numba when it imports) its float32/float64 steps run as
+numba loops instead: one pass over memory, the same expressions in the same order. The CuPy
+backend runs each step as one fused ElementwiseKernel.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import numpy as np
+
+CHUNK_BYTES = 256 << 10      # per array: a step's 3-5 chunks stay cached between its passes,
+                             # and numpy's ~1 us per call is amortized over 64K float32
+SUM_GROUP = 8                # gradients one CuPy sum kernel reads per launch
+NAMES = ("auto", "numpy", "cupy")
+
+
+class BackendError(RuntimeError):
+    """The requested backend cannot run here."""
+
+
+def load(name: str | None = None):
+    """The backend named by ``name``, else by ``GRADBUS_BACKEND`` (default ``auto``)."""
+    name = name or os.environ.get("GRADBUS_BACKEND") or "auto"
+    if name == "numpy":
+        return NumpyBackend()
+    if name == "cupy":
+        return CupyBackend()
+    if name == "auto":
+        try:
+            return CupyBackend()
+        except BackendError:
+            return NumpyBackend()
+    raise ValueError(f"GRADBUS_BACKEND={name!r}: expected one of {', '.join(NAMES)}")
+
+
+# -- closed-form coefficients of k steps of the mean of g (the sum of k gradients) --------------
+def momentum_coefs(k: int, lr: float, mu: float) -> tuple[float, float, float, float]:
+    """``(a, b, c, d)``: ``w -= a*v + b*g`` (the k velocities summed), then ``v = c*v + d*g``."""
+    mk = mu ** k
+    s = mu * (1.0 - mk) / (1.0 - mu)                 # sum_{i=1..k} mu^i
+    return lr * s, lr * (k - s) / (k * (1.0 - mu)), mk, (1.0 - mk) / (k * (1.0 - mu))
+
+
+def adam_coefs(k: int, t: int, lr: float, b1: float, b2: float,
+               eps: float) -> tuple[float, float, float, float, float, float]:
+    """``(b1k, c1, b2k, c2, eps_t, lr_t)``: ``m = b1k*m + c1*g``, ``v = b2k*v + c2*g*g``, then
+    ``w -= lr_t * m / (sqrt(v) + eps_t)`` (= ``k*lr*mhat / (sqrt(vhat) + eps)`` at step ``t``)."""
+    b1k, b2k = b1 ** k, b2 ** k
+    root = math.sqrt(1.0 - b2 ** t)                  # sqrt(vhat) = sqrt(v) / root
+    return (b1k, (1.0 - b1k) / k, b2k, (1.0 - b2k) / (k * k), eps * root,
+            k * lr * root / (1.0 - b1 ** t))
+
+
+def adagrad_coefs(k: int) -> tuple[float, float]:
+    """``(ia, ik)``: the step divides by ``sqrt(h + ia*g*g) + eps`` (h at the middle of the k
+    accumulations), then ``h += ik*g*g`` (k times the squared mean)."""
+    return (k + 1) / (2.0 * k * k), 1.0 / k
+
+
+def _check_sum(out, grads) -> None:
+    if not grads:
+        raise ValueError("sum_into needs at least one gradient")
+    for g in grads:
+        if g.shape != out.shape or g.dtype != out.dtype:
+            raise ValueError(f"gradient {g.dtype}{list(g.shape)} does not match the output "
+                             f"{out.dtype}{list(out.shape)}")
+
+
+# -- numpy ---------------------------------------------------------------------------------------
+class NumpyBackend:
+    """Host arrays: chunked numpy, or numba's fused loops for float32/float64 when ``jit``."""
+
+    name = "numpy"
+    xp = np
+
+    def __init__(self, jit: bool | None = None, chunk_bytes: int = CHUNK_BYTES):
+        """``jit``: use numba (None: when it imports). Compiles numba's loops here, once per
+        process (cached on disk), so no step ever waits on a compiler."""
+        self.fused = _numba_loops() if jit is not False else None
+        if jit and self.fused is None:
+            raise BackendError("numba does not import; pip install numba or pass jit=None")
+        self.chunk_bytes = chunk_bytes
+
+    @staticmethod
+    def asarray(a, dtype=None) -> np.ndarray:
+        return np.asarray(a, dtype)
+
+    @staticmethod
+    def to_host(a) -> np.ndarray:
+        return np.asarray(a)
+
+    def _fusable(self, w: np.ndarray, *arrays: np.ndarray) -> bool:
+        return self.fused is not None and w.dtype in _JIT_DTYPES and all(
+            a.dtype == w.dtype and a.ndim == 1 and a.flags.c_contiguous and a.flags.aligned
+            for a in (w, *arrays))
+
+    def _chunk_len(self, dtype) -> int:
+        return max(self.chunk_bytes // dtype.itemsize, 1)
+
+    def _chunks(self, n: int, dtype, scratch):
+        """``(slice, temporary)`` pairs covering ``range(n)``; every temporary is the start of
+        ``scratch`` (of a chunk-sized buffer when None), so it stays in cache."""
+        size = self._chunk_len(dtype)
+        if scratch is None:
+            scratch = np.empty(min(n, size), dtype)
+        for lo in range(0, n, size):
+            yield slice(lo, lo + size), scratch[:min(size, n - lo)]
+
+    def sum_into(self, out: np.ndarray, grads) -> np.ndarray:
+        _check_sum(out, grads)
+        if len(grads) == 1:
+            np.copyto(out, grads[0])
+            return out
+        size = self._chunk_len(out.dtype)
+        for lo in range(0, out.size, size):
+            sl = slice(lo, lo + size)
+            o = out[sl]
+            np.add(grads[0][sl], grads[1][sl], out=o)
+            for g in grads[2:]:
+                o += g[sl]
+        return out
+
+    def sgd_step(self, w, g, lr: float, scratch=None) -> None:
+        """``w -= lr * g``."""
+        if self._fusable(w, g):
+            self.fused["sgd"](w, g, w.dtype.type(lr))
+            return
+        lr = np.array(lr, w.dtype)             # 0-d constants: the cheapest ufunc operand
+        for sl, t in self._chunks(w.size, w.dtype, scratch):
+            np.multiply(g[sl], lr, out=t)
+            w[sl] -= t
+
+    def momentum_step(self, w, g, v, k: int, lr: float, mu: float, scratch=None) -> None:
+        coefs = momentum_coefs(k, lr, mu)
+        if self._fusable(w, g, v):
+            self.fused["momentum"](w, g, v, *map(w.dtype.type, coefs))
+            return
+        if k == 1:                             # v = mu*v + g; w -= lr*v: 4 passes, not 7
+            mu, lr = np.array(mu, w.dtype), np.array(lr, w.dtype)
+            for sl, t in self._chunks(w.size, w.dtype, scratch):
+                vv = v[sl]
+                vv *= mu
+                vv += g[sl]
+                np.multiply(vv, lr, out=t)
+                w[sl] -= t
+            return
+        a, b, c, d = (np.array(x, w.dtype) for x in coefs)
+        for sl, t in self._chunks(w.size, w.dtype, scratch):
+            ww, gg, vv = w[sl], g[sl], v[sl]
+            np.multiply(vv, a, out=t)
+            ww -= t
+            np.multiply(gg, b, out=t)
+            ww -= t
+            vv *= c
+            np.multiply(gg, d, out=t)
+            vv += t
+
+    def adam_step(self, w, g, m, v, k: int, t: int, lr: float, b1: float, b2: float,
+                  eps: float, scratch=None) -> None:
+        """``t``: the step count after this batch."""
+        coefs = adam_coefs(k, t, lr, b1, b2, eps)
+        if self._fusable(w, g, m, v):
+            self.fused["adam"](w, g, m, v, *map(w.dtype.type, coefs))
+            return
+        b1k, c1, b2k, c2, eps_t, lr_t = (np.array(x, w.dtype) for x in coefs)
+        for sl, s in self._chunks(w.size, w.dtype, scratch):
+            gg, mm, vv = g[sl], m[sl], v[sl]
+            mm *= b1k
+            np.multiply(gg, c1, out=s)
+            mm += s
+            vv *= b2k
+            np.multiply(gg, gg, out=s)
+            s *= c2
+            vv += s
+            np.sqrt(vv, out=s)
+            s += eps_t
+            np.divide(mm, s, out=s)
+            s *= lr_t
+            w[sl] -= s
+
+    def adagrad_step(self, w, g, h, k: int, lr: float, eps: float, scratch=None) -> None:
+        coefs = (*adagrad_coefs(k), eps, lr)
+        if self._fusable(w, g, h):
+            self.fused["adagrad"](w, g, h, *map(w.dtype.type, coefs))
+            return
+        ia, ik, eps, lr = (np.array(x, w.dtype) for x in coefs)
+        for sl, t in self._chunks(w.size, w.dtype, scratch):
+            gg, hh = g[sl], h[sl]
+            np.multiply(gg, gg, out=t)
+            if k == 1:                         # the middle of one accumulation is its end
+                hh += t
+                np.sqrt(hh, out=t)
+            else:
+                t *= ia
+                t += hh
+                np.sqrt(t, out=t)
+            t += eps
+            np.divide(gg, t, out=t)
+            t *= lr
+            w[sl] -= t
+            if k > 1:
+                np.multiply(gg, gg, out=t)
+                t *= ik
+                hh += t
+
+    @staticmethod
+    def scatter_add(dense, indices, values) -> None:
+        """Indices out of range raise IndexError."""
+        np.add.at(dense, indices, values)
+
+
+# The numba loops: the numpy path's expressions, element by element. Plain functions here (so
+# numba can cache them by file), compiled by _numba_loops().
+def _sgd_loop(w, g, lr):
+    for i in range(w.size):
+        w[i] -= g[i] * lr
+
+
+def _momentum_loop(w, g, v, a, b, c, d):
+    for i in range(w.size):
+        vi, gi = v[i], g[i]
+        w[i] = (w[i] - vi * a) - gi * b
+        v[i] = vi * c + gi * d
+
+
+def _adam_loop(w, g, m, v, b1k, c1, b2k, c2, eps, lr):
+    for i in range(w.size):
+        gi = g[i]
+        mi = m[i] * b1k + gi * c1
+        vi = v[i] * b2k + (gi * gi) * c2
+        m[i] = mi
+        v[i] = vi
+        w[i] -= (mi / (np.sqrt(vi) + eps)) * lr
+
+
+def _adagrad_loop(w, g, h, ia, ik, eps, lr):
+    for i in range(w.size):
+        gi, hi = g[i], h[i]
+        gg = gi * gi
+        h[i] = hi + gg * ik
+        w[i] -= (gi / (np.sqrt(gg * ia + hi) + eps)) * lr
+
+
+_JIT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+_LOOPS = {"sgd": (_sgd_loop, 0, 1), "momentum": (_momentum_loop, 1, 4),
+          "adam": (_adam_loop, 2, 6), "adagrad": (_adagrad_loop, 1, 4)}  # (loop, state, scalars)
+
+
+@functools.cache
+def _numba_loops() -> dict | None:
+    """The loops compiled for float32 and float64, or None when numba does not import.
+
+    ``error_model="numpy"``: division follows IEEE (no ZeroDivisionError branch, which would also
+    keep LLVM from vectorizing); no fastmath, so results match the numpy path.
+    """
+    try:
+        import numba
+        from numba import types
+    except ImportError:
+        return None
+
+    def signature(dt, n_state, n_scalars):
+        arr = types.Array(dt, 1, "C")
+        return types.void(arr, types.Array(dt, 1, "C", readonly=True), *[arr] * n_state,
+                          *[dt] * n_scalars)
+
+    return {name: numba.njit([signature(dt, n_state, n_scalars)
+                              for dt in (types.float32, types.float64)],
+                             fastmath=False, error_model="numpy", nogil=True, cache=True)(loop)
+            for name, (loop, n_state, n_scalars) in _LOOPS.items()}
+
+
+# -- CuPy ----------------------------------------------------------------------------------------
+# ElementwiseKernel sources: T is the arrays' dtype (float or double), so every scalar parameter
+# is cast to it and no double literal creeps into float math. The expressions are the numpy
+# path's; NVRTC may contract a*b + c into an FMA, so results agree to rounding, not bit for bit.
+_SGD = ("T g, T lr", "T w", "w -= g * lr;")
+_MOMENTUM = ("T g, T a, T b, T c, T d", "T w, T v", """
+    const T vi = v;
+    w = (w - vi * a) - g * b;
+    v = vi * c + g * d;
+""")
+_ADAM = ("T g, T b1k, T c1, T b2k, T c2, T eps, T lr", "T w, T m, T v", """
+    const T mi = m * b1k + g * c1;
+    const T vi = v * b2k + (g * g) * c2;
+    m = mi;
+    v = vi;
+    w -= (mi / (sqrt(vi) + eps)) * lr;
+""")
+_ADAGRAD = ("T g, T ia, T ik, T eps, T lr", "T w, T h", """
+    const T gg = g * g;
+    const T hi = h;
+    h = hi + gg * ik;
+    w -= (g / (sqrt(gg * ia + hi) + eps)) * lr;
+""")
+# Sums up to SUM_GROUP gradients into total in one pass; acc != 0 adds to total's value. Raw
+# inputs are read only when used (unused slots repeat g0).
+_SUM = (", ".join(f"raw T g{j}" for j in range(SUM_GROUP)) + ", int32 k, int32 acc", "T total",
+        "T s = acc ? total + g0[i] : g0[i];\n"
+        + "".join(f"if (k > {j}) s += g{j}[i];\n" for j in range(1, SUM_GROUP))
+        + "total = s;")
+# Indices outside [0, n) are skipped: checking them would cost a host sync.
+_SCATTER_ADD = ("T value, I index, int64 n", "raw T dense",
+                "if (index >= 0 && index < n) atomicAdd(&dense[index], value);")
+
+
+class CupyBackend:
+    """CUDA device arrays; each step one fused ElementwiseKernel, launched without a host sync."""
+
+    name = "cupy"
+
+    def __init__(self):
+        try:
+            import cupy
+        except ImportError as e:
+            raise BackendError(f"the cupy backend needs cupy: {e} (pip install 'gradbus[gpu]', "
+                               f"or set GRADBUS_BACKEND=numpy)") from e
+        try:
+            devices = cupy.cuda.runtime.getDeviceCount()
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            raise BackendError(f"the cupy backend needs a CUDA device: {e}") from e
+        if devices == 0:
+            raise BackendError("the cupy backend needs a CUDA device; none is visible")
+        self.xp = cupy
+
+        def kernel(name, src):
+            return cupy.ElementwiseKernel(*src, name=f"gradbus_{name}")
+
+        self._sgd, self._momentum = kernel("sgd", _SGD), kernel("momentum", _MOMENTUM)
+        self._adam, self._adagrad = kernel("adam", _ADAM), kernel("adagrad", _ADAGRAD)
+        self._sum, self._scatter_add = kernel("sum", _SUM), kernel("scatter_add", _SCATTER_ADD)
+
+    def asarray(self, a, dtype=None):
+        return self.xp.asarray(a, dtype)
+
+    def to_host(self, a) -> np.ndarray:
+        return self.xp.asnumpy(a)
+
+    def sum_into(self, out, grads):
+        _check_sum(out, grads)
+        for lo in range(0, len(grads), SUM_GROUP):
+            group = list(grads[lo:lo + SUM_GROUP])
+            self._sum(*group, *group[:1] * (SUM_GROUP - len(group)), len(group), int(lo > 0),
+                      out)
+        return out
+
+    # scratch: unused (the kernels are fused); kept so every backend takes the same arguments
+    def sgd_step(self, w, g, lr: float, scratch=None) -> None:
+        self._sgd(g, lr, w)
+
+    def momentum_step(self, w, g, v, k: int, lr: float, mu: float, scratch=None) -> None:
+        self._momentum(g, *momentum_coefs(k, lr, mu), w, v)
+
+    def adam_step(self, w, g, m, v, k: int, t: int, lr: float, b1: float, b2: float,
+                  eps: float, scratch=None) -> None:
+        self._adam(g, *adam_coefs(k, t, lr, b1, b2, eps), w, m, v)
+
+    def adagrad_step(self, w, g, h, k: int, lr: float, eps: float, scratch=None) -> None:
+        self._adagrad(g, *adagrad_coefs(k), eps, lr, w, h)
+
+    def scatter_add(self, dense, indices, values) -> None:
+        """Indices outside ``[0, dense.size)`` are skipped."""
+        self._scatter_add(values, indices, dense.size, dense)

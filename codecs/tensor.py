@@ -1,15 +1,36 @@
-"""Tensor codecs, composed as a chain string such as ``"bf16|zstd"``.
+"""Tensor codecs, composed as a chain string such as ``"bf16|zstd"`` or ``"topk:0.01|int8|zstd"``.
 
-A chain is at most one *precision* stage (``raw``, ``fp16`` or ``bf16``; ``raw`` if none is
-named) followed optionally by ``zstd``. Stages apply left to right on encode and right to left on
-decode. The encoder returns the chain it actually applied: ``zstd`` is dropped from it when it
-would not shrink the frame by at least :data:`ZSTD_MIN_GAIN` (float32 gradients barely compress),
-so the receiver never pays to decompress incompressible bytes. The header records the applied
-chain; :func:`decode` refuses unknown or inconsistent chains with ``BAD_CODEC``.
+A chain names, left to right, each stage at most once and in this order::
+
+    [topk:F | randomk:F]  [raw | fp16 | bf16 | int8 | sign]  [shuffle]  [zstd]
+
+* Sparsifier (optional, floating tensors): ``topk:F`` keeps the ceil(F*n) entries of largest
+  magnitude (NaN counts as largest), ``randomk:F`` a uniformly random subset of that size,
+  0 < F <= 1. The payload then starts with two little-endian uint64 (kept count k, bytes of the
+  index section), then the sorted indices as LEB128 varints of their gaps (``i0``,
+  ``i1 - i0 - 1``, ...), then the k kept values through the value coder.
+* Value coder (``raw`` if none is named): ``raw``; ``fp16`` (IEEE half) and ``bf16`` (bfloat16),
+  both rounding to nearest even; ``int8``: per block of :data:`INT8_BLOCK` values a float32 scale
+  absmax/127, then one int8 per value rounded stochastically (unbiased); ``sign``: per block of
+  :data:`SIGN_BLOCK` values a float32 scale mean(|x|), then one sign bit per value (np.packbits
+  order), decoding to +-scale. int8 and sign send all scales, then all codes. A block holding
+  NaN or inf decodes to NaN (int8) or to +-inf/NaN (sign), so non-finite gradients stay visible.
+* ``shuffle`` byte-transposes each multi-byte array of the value section (values, scales) so that
+  zstd sees runs of similar bytes; indices and one-byte codes are left as they are.
+* ``zstd`` compresses the whole payload.
+
+The encoder returns the chain it actually applied: ``zstd`` is dropped when it would not shrink
+the payload by at least :data:`ZSTD_MIN_GAIN` (and ``shuffle`` with it), and the value coder is
+always named. The header records the applied chain; the receiver decodes with it, and
+:func:`decode` refuses unknown or inconsistent chains with ``BAD_CODEC``.
 """
 from __future__ import annotations
 
+import functools
 import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import zstandard
@@ -20,142 +41,604 @@ from .errors import Code, WireError
 ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64", "uint8"})
 #: dtypes a parameter (and so a gradient) may have.
 PARAM_DTYPES = frozenset({"float32", "float64"})
-PRECISION = ("raw", "fp16", "bf16")
+SPARSIFIERS = ("topk", "randomk")
+PRECISION = ("raw", "fp16", "bf16", "int8", "sign")  # the value coders
 COMPRESSORS = ("zstd",)
 ZSTD_LEVEL = 1
 ZSTD_MIN_GAIN = 1.10  # keep zstd only if it shrinks the frame at least this much
+INT8_BLOCK = 256      # values per float32 scale for int8
+SIGN_BLOCK = 1024     # values per float32 scale for sign
+MAX_SPARSE_ELEMENTS = 2**31  # sparsifiers take tensors of fewer elements than this
+MAX_CHAIN_CHARS = 64
 
+_RANK = {"topk": 0, "randomk": 0, **{c: 1 for c in PRECISION}, "shuffle": 2, "zstd": 3}
+_FRACTION = re.compile(r"(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d{1,3})?")
+_SPARSE_HEAD = 16     # uint64 count, uint64 index-section bytes
+_CHUNK = 1 << 16      # elements per cache-sized chunk in the fp16/bf16/int8 loops
+_TOPK_SAMPLE = 1 << 16  # sample size for topk's candidate threshold
 _cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
 _dctx = zstandard.ZstdDecompressor()
+_rng = np.random.default_rng()
+
+
+# ------------------------------------------------------------------ chain grammar
+
+
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """A parsed codec chain."""
+
+    sparse: str | None         # the sparsifier stage as written ("topk:0.01"), or None
+    fraction: Fraction | None  # its F
+    coder: str                 # value coder
+    shuffle: bool
+    zstd: bool
+
+    @property
+    def sparsifier(self) -> str | None:
+        return self.sparse.partition(":")[0] if self.sparse else None
+
+    @property
+    def lossy(self) -> bool:
+        return self.sparse is not None or self.coder != "raw"
+
+    def text(self, shuffle: bool, zstd: bool) -> str:
+        """The chain string of these stages with ``shuffle`` and ``zstd`` as given."""
+        parts = [self.sparse] if self.sparse else []
+        parts.append(self.coder)
+        if shuffle:
+            parts.append("shuffle")
+        if zstd:
+            parts.append("zstd")
+        return "|".join(parts)
+
+
+def parse_stages(chain: str) -> Stages:
+    """Parse a chain string into :class:`Stages`, or raise ``BAD_CODEC``."""
+    if not isinstance(chain, str) or len(chain) > MAX_CHAIN_CHARS:
+        raise WireError(Code.BAD_CODEC, f"codec chain must be a short string, got {chain!r}")
+    return _parse(chain)
+
+
+@functools.lru_cache(maxsize=256)
+def _parse(chain: str) -> Stages:
+    sparse = fraction = None
+    coder = "raw"
+    shuffle = use_zstd = False
+    last = -1
+    for part in [p.strip() for p in chain.split("|")] if chain else ["raw"]:
+        name, colon, arg = part.partition(":")
+        rank = _RANK.get(name)
+        if rank is None or (colon and rank != 0):
+            raise WireError(Code.BAD_CODEC, f"unknown codec {part!r} in chain {chain!r}")
+        if rank <= last:
+            raise WireError(Code.BAD_CODEC,
+                            f"codec chain {chain!r}: {part!r} is out of order or repeated (order: "
+                            f"topk:F|randomk:F, then one of {'|'.join(PRECISION)}, then shuffle, "
+                            f"then zstd)")
+        last = rank
+        if rank == 0:
+            if not _FRACTION.fullmatch(arg) or not 0 < Fraction(arg) <= 1:
+                raise WireError(Code.BAD_CODEC,
+                                f"codec chain {chain!r}: {name} needs a fraction 0 < F <= 1, "
+                                f"got {part!r}")
+            sparse, fraction = part, Fraction(arg)
+        elif rank == 1:
+            coder = name
+        elif rank == 2:
+            shuffle = True
+        else:
+            use_zstd = True
+    return Stages(sparse, fraction, coder, shuffle, use_zstd)
 
 
 def parse_chain(chain: str) -> tuple[str, bool]:
-    """Return ``(precision, zstd)`` for a chain string, or raise ``BAD_CODEC``."""
-    if not isinstance(chain, str) or len(chain) > 64:
-        raise WireError(Code.BAD_CODEC, f"codec chain must be a short string, got {chain!r}")
-    parts = [p.strip() for p in chain.split("|")] if chain else ["raw"]
-    precision = "raw"
-    use_zstd = False
-    for i, part in enumerate(parts):
-        if part in PRECISION:
-            if i != 0:
-                raise WireError(Code.BAD_CODEC,
-                                f"codec chain {chain!r}: {part!r} must come first")
-            precision = part
-        elif part in COMPRESSORS:
-            if i != len(parts) - 1 or use_zstd:
-                raise WireError(Code.BAD_CODEC, f"codec chain {chain!r}: zstd must come last, once")
-            use_zstd = True
-        else:
-            raise WireError(Code.BAD_CODEC, f"unknown codec {part!r} in chain {chain!r}")
-    return precision, use_zstd
+    """Return ``(value coder, zstd)`` for a chain string, or raise ``BAD_CODEC``.
+
+    See :func:`parse_stages` for every stage.
+    """
+    st = parse_stages(chain)
+    return st.coder, st.zstd
 
 
-def _stage_itemsize(precision: str, dtype: np.dtype) -> int:
-    return dtype.itemsize if precision == "raw" else 2
+def is_lossy(chain: str) -> bool:
+    """Whether decode(encode(x)) may differ from x: any sparsifier or a coder other than raw."""
+    return parse_stages(chain).lossy
+
+
+# ------------------------------------------------------------------ fp16 / bf16
+
+_F16_SMALL = np.uint32(0x38800000)            # 2**-14 (smallest normal half), as float32 bits
+_F16_BIG = np.uint32(143 << 23)               # 2**16: everything above rounds to inf
+_F16_BIAS = np.uint32((0xFFF - 0x38800000) % 2**32)  # rebias; + 0xFFF + last bit = nearest even
+
+
+def _fp16_encode(a: np.ndarray) -> np.ndarray:
+    """float32 -> IEEE half bits (uint16), round to nearest even; bit-equal to numpy's cast
+    except that NaN becomes 0x7E00 (with its sign). Integer ops on cache-sized chunks: numpy's
+    cast is several times slower on gradients, whose small values are half subnormals."""
+    flat = a.reshape(-1)
+    u = flat.view(np.uint32)
+    out = np.empty(len(u), np.uint16)
+    m = min(len(u), _CHUNK)
+    ua, t, s = np.empty(m, np.uint32), np.empty(m, np.uint32), np.empty(m, np.uint32)
+    nan = np.empty(m, bool)
+    for i in range(0, len(u), _CHUNK):
+        uc = u[i:i + _CHUNK]
+        n = len(uc)
+        uac, tc, sc, nc = ua[:n], t[:n], s[:n], nan[:n]
+        np.bitwise_and(uc, 0x7FFFFFFF, out=uac)
+        # subnormal part: |x| below 2**-14 plus 0.5 puts the half's last bit at float32's last
+        # bit, so the float add rounds it; low bits = half subnormal bits (0x400 above the range)
+        np.minimum(uac, _F16_SMALL, out=sc)
+        sf = sc.view(np.float32)
+        np.add(sf, np.float32(0.5), out=sf)
+        # normal part, on |x| clipped to [2**-14, 2**16]: rebias, round to nearest even at bit 13
+        np.clip(uac, _F16_SMALL, _F16_BIG, out=uac)
+        np.right_shift(uac, 13, out=tc)
+        np.bitwise_and(tc, 1, out=tc)
+        np.add(tc, uac, out=tc)
+        np.add(tc, _F16_BIAS, out=tc)
+        np.right_shift(tc, 13, out=tc)
+        np.add(tc, sc, out=tc)          # bits above 15 (0x3F000000 from the 0.5) are cut below
+        np.right_shift(uc, 16, out=sc)
+        np.bitwise_and(sc, 0x8000, out=sc)
+        np.bitwise_or(tc, sc, out=tc)
+        oc = out[i:i + _CHUNK]
+        np.copyto(oc, tc, casting="unsafe")
+        np.isnan(flat[i:i + _CHUNK], out=nc)
+        if nc.any():
+            oc[nc] |= 0x0200            # NaN came out as inf
+    return out
+
+
+@functools.cache
+def _half_table(dt: np.dtype) -> np.ndarray:
+    """Every half bit pattern's value as ``dt``."""
+    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(dt)
+
+
+def _fp16_decode(bits: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """Half bits -> ``dt`` (a table lookup: faster than numpy's cast, exact)."""
+    if dt == np.float16:
+        return bits.view(np.float16).copy()
+    table = _half_table(dt)
+    out = np.empty(len(bits), dt)
+    for i in range(0, len(bits), _CHUNK):
+        np.take(table, bits[i:i + _CHUNK], out=out[i:i + _CHUNK])
+    return out
 
 
 def _bf16_encode(a: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits (uint16), round to nearest even, NaN kept NaN."""
-    u = a.view(np.uint32)
-    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    out = rounded.astype(np.uint16)
-    nan = np.isnan(a)
-    if nan.any():
-        out[nan] = 0x7FC0
+    flat = a.reshape(-1)
+    u = flat.view(np.uint32)
+    out = np.empty(len(u), np.uint16)
+    t = np.empty(min(len(u), _CHUNK), np.uint32)
+    nan = np.empty(len(t), bool)
+    for i in range(0, len(u), _CHUNK):
+        uc = u[i:i + _CHUNK]
+        tc, nc = t[:len(uc)], nan[:len(uc)]
+        np.right_shift(uc, 16, out=tc)
+        np.bitwise_and(tc, 1, out=tc)
+        np.add(tc, 0x7FFF, out=tc)
+        np.add(tc, uc, out=tc)
+        oc = out[i:i + _CHUNK]
+        np.right_shift(tc, 16, out=oc, casting="unsafe")
+        np.isnan(flat[i:i + _CHUNK], out=nc)
+        if nc.any():
+            oc[nc] = 0x7FC0             # rounding may have carried a NaN into inf or zero
     return out
 
 
 def _bf16_decode(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    """bfloat16 bits -> float32."""
+    out = np.empty(len(bits), np.uint32)
+    np.left_shift(bits, 16, out=out, dtype=np.uint32)
+    return out.view(np.float32)
 
 
-def encode(arr: np.ndarray, chain: str = "raw"):
+# ------------------------------------------------------------------ int8 / sign
+
+
+def _block_reduce(fn, x: np.ndarray, block: int, **kw) -> np.ndarray:
+    """``fn`` over each block of ``block`` values of 1-D ``x`` (the last block may be short)."""
+    m = len(x) // block * block
+    body = fn(x[:m].reshape(-1, block), axis=1, **kw)
+    return body if m == len(x) else np.append(body, fn(x[m:], **kw))
+
+
+def _blockwise(ufunc, x: np.ndarray, s: np.ndarray, out: np.ndarray, block: int) -> None:
+    """``out[i] = ufunc(x[i], s[i // block])``, computed in float32, for 1-D ``x`` and ``out``."""
+    m = len(x) // block * block
+    ufunc(x[:m].reshape(-1, block), s[:m // block, None], out=out[:m].reshape(-1, block),
+          dtype=np.float32)
+    if m < len(x):
+        ufunc(x[m:], s[m // block], out=out[m:], dtype=np.float32)
+
+
+def _int8_encode(x: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    """float32 values -> [float32 scale per block, int8 codes], stochastic rounding."""
+    absmax = np.abs(np.maximum(_block_reduce(np.max, x, INT8_BLOCK),
+                               -_block_reduce(np.min, x, INT8_BLOCK)))   # abs: -0.0 -> 0.0
+    finite = np.isfinite(absmax)
+    nonzero = absmax > 0
+    scale = absmax / np.float32(127)
+    # a non-zero block never gets a zero scale (|x| < 127 * 2**-149 would underflow)
+    np.maximum(scale, np.float32(2.0**-149), out=scale, where=nonzero)
+    divisor = np.where(finite & nonzero, scale, np.float32(1))
+    if not finite.all():                # NaN or inf: codes 0, scale NaN, so the block decodes NaN
+        x = np.where(np.repeat(~finite, INT8_BLOCK)[:len(x)], np.float32(0), x)
+        scale[~finite] = np.nan
+    codes = np.empty(len(x), np.int8)
+    work = np.empty(min(len(x), _CHUNK), np.float32)
+    noise = np.empty_like(work)
+    for i in range(0, len(x), _CHUNK):  # _CHUNK is a multiple of INT8_BLOCK
+        xc = x[i:i + _CHUNK]
+        w, u = work[:len(xc)], noise[:len(xc)]
+        _blockwise(np.divide, xc, divisor[i // INT8_BLOCK:], w, INT8_BLOCK)
+        # u = (r + 1/2) / 2**16 for 16 random bits r: floor(y + u) rounds y up with probability
+        # frac(y) to within 2**-17, the spacing float32 itself gives y + u near 127
+        r = rng.bit_generator.random_raw(-(-len(xc) // 4)).view(np.uint16)[:len(xc)]
+        np.multiply(r, np.float32(2.0**-16), out=u)
+        u += np.float32(2.0**-17)
+        w += u
+        np.floor(w, out=w)
+        np.clip(w, -127, 127, out=w)
+        codes[i:i + len(xc)] = w
+    return [scale, codes]
+
+
+def _sign_encode(x: np.ndarray) -> list[np.ndarray]:
+    """float32 values -> [float32 mean |x| per block, sign bits packed 8 per byte]."""
+    m = len(x) // SIGN_BLOCK * SIGN_BLOCK
+    sums = _block_reduce(np.sum, np.abs(x), SIGN_BLOCK, dtype=np.float64)
+    sums[:m // SIGN_BLOCK] /= SIGN_BLOCK
+    if m < len(x):
+        sums[-1] /= len(x) - m
+    with np.errstate(over="ignore"):
+        scale = sums.astype(np.float32)
+    return [scale, np.packbits(np.signbit(x))]
+
+
+# ------------------------------------------------------------------ value coders
+
+
+def _value_sections(coder: str, dt: np.dtype, k: int) -> list[tuple[np.dtype, int]]:
+    """(dtype, count) of each array that codes ``k`` values of ``dt``, in payload order."""
+    if coder == "raw":
+        return [(dt, k)]
+    if coder in ("fp16", "bf16"):
+        return [(np.dtype(np.uint16), k)]
+    block = INT8_BLOCK if coder == "int8" else SIGN_BLOCK
+    scales = (np.dtype(np.float32), -(-k // block))
+    if coder == "int8":
+        return [scales, (np.dtype(np.int8), k)]
+    return [scales, (np.dtype(np.uint8), -(-k // 8))]
+
+
+def _values_len(coder: str, dt: np.dtype, k: int) -> int:
+    return sum(sdt.itemsize * count for sdt, count in _value_sections(coder, dt, k))
+
+
+def _as_float32(v: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):    # float64 beyond float32's range becomes inf
+        return v.astype(np.float32, copy=False)
+
+
+def _encode_values(v: np.ndarray, coder: str, rng: np.random.Generator) -> list[np.ndarray]:
+    """The arrays (see :func:`_value_sections`) coding the 1-D values ``v``."""
+    if coder == "raw":
+        return [v]
+    if coder == "fp16":
+        if v.dtype == np.float32:
+            return [_fp16_encode(v)]
+        with np.errstate(over="ignore"):  # beyond half's range becomes inf
+            return [v.astype(np.float16).view(np.uint16)]
+    x = _as_float32(v)
+    if coder == "bf16":
+        return [_bf16_encode(x)]
+    if coder == "int8":
+        return _int8_encode(x, rng)
+    return _sign_encode(x)
+
+
+def _decode_values(arrays: list[np.ndarray], coder: str, dt: np.dtype, k: int) -> np.ndarray:
+    """The ``k`` values of ``dt`` that ``arrays`` (from :func:`_encode_values`) stand for."""
+    if coder == "raw":
+        return arrays[0]
+    if coder == "fp16":
+        return _fp16_decode(arrays[0], dt)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf * 0, and casts beyond float16
+        if coder == "bf16":
+            out = _bf16_decode(arrays[0])
+            return out if dt == np.float32 else out.astype(dt)
+        out = np.empty(k, dt)
+        if coder == "int8":
+            _blockwise(np.multiply, arrays[1], arrays[0], out, INT8_BLOCK)
+        else:
+            signs = np.unpackbits(arrays[1], count=k).view(np.int8)
+            signs *= -2
+            signs += 1
+            _blockwise(np.multiply, signs, arrays[0], out, SIGN_BLOCK)
+    return out
+
+
+# ------------------------------------------------------------------ indices, shuffle
+
+
+def _varint_width(n: int) -> int:
+    """LEB128 bytes of the largest gap in a tensor of ``n`` elements."""
+    return max(1, -(-max(n - 1, 0).bit_length() // 7))
+
+
+def _varint_encode(idx: np.ndarray) -> np.ndarray:
+    """Sorted distinct int64 indices -> LEB128 varints of the gaps ``i0, i1 - i0 - 1, ...``."""
+    gaps = np.diff(idx, prepend=-1)
+    gaps -= 1
+    size = np.ones(len(gaps), np.int64)
+    top = int(gaps.max()) if len(gaps) else 0
+    width = 1
+    while top >> (7 * width):
+        size += gaps >= 1 << (7 * width)
+        width += 1
+    starts = np.cumsum(size) - size
+    out = np.empty(int(size.sum()), np.uint8)
+    for j in range(width if len(gaps) else 0):
+        sel = np.flatnonzero(size > j)
+        out[starts[sel] + j] = ((gaps[sel] >> (7 * j)) & 0x7F) | ((size[sel] > j + 1) << 7)
+    return out
+
+
+def _varint_decode(b: np.ndarray, k: int, n: int) -> np.ndarray:
+    """Inverse of :func:`_varint_encode` for ``k`` indices below ``n``, or ``BAD_CODEC``."""
+    ends = np.flatnonzero(b < 0x80)
+    if len(ends) != k or len(b) != (int(ends[-1]) + 1 if k else 0):
+        raise WireError(Code.BAD_CODEC, f"index section does not hold {k} varints")
+    starts = np.empty(k, np.int64)
+    starts[:1] = 0
+    starts[1:] = ends[:-1] + 1
+    size = ends - starts + 1
+    width = int(size.max()) if k else 0
+    if width > _varint_width(n):
+        raise WireError(Code.BAD_CODEC, f"index gap of {width} varint bytes for {n} elements")
+    gaps = (b[starts] & 0x7F).astype(np.int64)
+    for j in range(1, width):
+        sel = np.flatnonzero(size > j)
+        gaps[sel] |= (b[starts[sel] + j] & 0x7F).astype(np.int64) << (7 * j)
+    np.minimum(gaps, n, out=gaps)       # with n < 2**31 the running sum cannot overflow
+    gaps += 1
+    idx = np.cumsum(gaps, out=gaps)
+    idx -= 1
+    if k and idx[-1] >= n:
+        raise WireError(Code.BAD_CODEC, f"index {int(idx[-1])} out of range for {n} elements")
+    return idx
+
+
+def _shuffle(a: np.ndarray) -> np.ndarray:
+    """Byte-transpose: all first bytes of ``a``'s elements, then all second bytes, ..."""
+    return a.view(np.uint8).reshape(-1, a.itemsize).T.copy() if a.itemsize > 1 else a
+
+
+def _unshuffle(b: np.ndarray, dt: np.dtype) -> np.ndarray:
+    """Inverse of :func:`_shuffle` for the uint8 bytes ``b`` of an array of ``dt``."""
+    if dt.itemsize == 1:
+        return b.view(dt)
+    rows = b.reshape(dt.itemsize, -1)
+    out = np.empty(rows.shape[1], dt)
+    cols = out.view(np.uint8).reshape(-1, dt.itemsize)
+    for j, row in enumerate(rows):
+        cols[:, j] = row
+    return out
+
+
+def _join(parts: list[np.ndarray]):
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+# ------------------------------------------------------------------ encode / decode
+
+
+def _select(flat: np.ndarray, st: Stages, rng: np.random.Generator) -> np.ndarray:
+    """Sorted int64 indices of the entries the sparsifier keeps."""
+    n = len(flat)
+    k = math.ceil(st.fraction * n)
+    if k == 0:
+        return np.empty(0, np.int64)
+    if st.sparsifier == "randomk":
+        idx = rng.choice(n, k, replace=False, shuffle=False)
+    else:
+        idx = _topk(np.abs(flat), k)
+    idx.sort()
+    return idx
+
+
+def _topk(mag: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the ``k`` largest of ``mag`` (NaN counts as largest), in any order.
+
+    For large tensors a threshold from a strided sample first narrows the candidates, so
+    argpartition runs on about 1.25 k values instead of n; if the sample misleads and fewer than
+    k pass, the full argpartition runs.
+    """
+    n = len(mag)
+    if n >= 4 * _TOPK_SAMPLE and 8 * k <= n:
+        sample = mag[::n // _TOPK_SAMPLE]
+        expect = len(sample) * k / n
+        j = min(len(sample), math.ceil(1.25 * expect + 4 * math.sqrt(expect)) + 1)
+        threshold = np.partition(sample, len(sample) - j)[len(sample) - j]
+        keep = np.less(mag, threshold)
+        np.logical_not(keep, out=keep)  # not (mag < threshold): NaN passes
+        cand = np.flatnonzero(keep)
+        if len(cand) >= k:
+            return cand[np.argpartition(mag[cand], len(cand) - k)[len(cand) - k:]]
+    return np.argpartition(mag, n - k)[n - k:]
+
+
+def encode(arr: np.ndarray, chain: str = "raw", rng: np.random.Generator | None = None,
+           want_decoded: bool = False):
     """Encode ``arr`` with ``chain``.
 
-    Returns ``(applied_chain, buffer)``. ``buffer`` supports the buffer protocol; for ``raw`` it is
-    the array itself (made C-contiguous), which the caller may send with ``copy=False``.
+    Returns ``(applied_chain, buffer)``, or ``(applied_chain, buffer, decoded)`` with
+    ``want_decoded``: ``decoded`` is bit for bit what :func:`decode` returns for the buffer (the
+    array a sender keeps for error feedback), built from the staged arrays without a second decode;
+    for ``raw`` it may share memory with ``arr``. ``buffer`` supports the buffer protocol; for
+    ``raw`` it is a flat view of the array (made C-contiguous), which the caller may send with
+    ``copy=False``. ``rng`` drives randomk and int8 rounding (default: a module-level generator).
     """
-    precision, use_zstd = parse_chain(chain)
-    a = np.ascontiguousarray(arr)
+    st = parse_stages(chain)
+    shape = np.shape(arr)
+    a = np.ascontiguousarray(arr)   # at least 1-d
     if a.dtype.name not in ALLOWED_DTYPES:
         raise WireError(Code.BAD_DTYPE, f"dtype {a.dtype} is not allowed")
     if not a.dtype.isnative:   # the wire is little-endian native order: '>f4' is converted
         a = a.astype(a.dtype.newbyteorder("="))
-    if precision == "raw":
-        staged = a
-    elif a.dtype.kind != "f":
-        raise WireError(Code.BAD_CODEC, f"{precision} applies to floating tensors, not {a.dtype}")
-    elif precision == "fp16":
-        staged = a.astype(np.float16)
+    if st.lossy and a.dtype.kind != "f":
+        raise WireError(Code.BAD_CODEC, f"{st.text(False, False)} applies to floating tensors, "
+                                        f"not {a.dtype}")
+    if rng is None:
+        rng = _rng
+    flat = a.reshape(-1)
+    prefix = []
+    if st.sparse:
+        if flat.size >= MAX_SPARSE_ELEMENTS:
+            raise WireError(Code.BAD_CODEC, f"{st.sparsifier} takes fewer than "
+                                            f"{MAX_SPARSE_ELEMENTS} elements, not {flat.size}")
+        idx = _select(flat, st, rng)
+        values = flat[idx]
+        index_bytes = _varint_encode(idx)
+        prefix = [np.array([len(idx), len(index_bytes)], "<u8"), index_bytes]
     else:
-        staged = _bf16_encode(a.astype(np.float32, copy=False))
-    applied = precision
-    buf = staged
-    if use_zstd and staged.nbytes:
-        packed = _cctx.compress(staged.data)
-        if len(packed) * ZSTD_MIN_GAIN <= staged.nbytes:
-            applied, buf = precision + "|zstd", packed
-    return applied, buf
+        values = flat
+    arrays = _encode_values(values, st.coder, rng)
+    plain = prefix + arrays
+    staged = prefix + [_shuffle(x) for x in arrays] if st.shuffle else plain
+    applied, buf = st.text(st.shuffle, False), _join(staged)
+    size = memoryview(buf).nbytes
+    if st.zstd and size:
+        packed = _cctx.compress(buf)
+        if len(packed) * ZSTD_MIN_GAIN <= size:
+            applied, buf = st.text(st.shuffle, True), packed
+        elif st.shuffle:                # shuffling only pays with zstd
+            applied, buf = st.text(False, False), _join(plain)
+    if not want_decoded:
+        return applied, buf
+    decoded = _decode_values(arrays, st.coder, a.dtype, len(values))
+    if st.sparse:
+        dense = np.zeros(flat.size, a.dtype)
+        dense[idx] = decoded
+        decoded = dense
+    return applied, buf, decoded.reshape(shape)
 
 
 def encoded_len_fixed(chain: str, dtype: str, shape) -> int | None:
-    """Exact encoded length for a chain without zstd, else None (variable)."""
-    precision, use_zstd = parse_chain(chain)
-    if use_zstd:
+    """Exact encoded length for a chain without zstd or sparsifier, else None (variable)."""
+    st = parse_stages(chain)
+    if st.zstd or st.sparse:
         return None
-    return math.prod(shape) * _stage_itemsize(precision, np.dtype(dtype))
+    return _values_len(st.coder, np.dtype(dtype), math.prod(shape))
 
 
-def decode(buf, chain: str, dtype: str, shape, max_bytes: int) -> np.ndarray:
-    """Decode one frame to an array of ``dtype`` and ``shape``.
+def _payload(buf) -> np.ndarray:
+    """The bytes of a frame as a uint8 array (a view where possible)."""
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view(np.uint8)
+    mv = memoryview(buf)
+    return np.frombuffer(mv.cast("B"), np.uint8) if mv.nbytes else np.empty(0, np.uint8)
 
-    Validates the chain, the dtype, the decoded size against ``max_bytes`` and the length of
-    every stage. Raises :class:`WireError`; never allocates more than ``max_bytes`` plus the
-    staged size. The result may be a read-only view of ``buf``.
-    """
-    precision, use_zstd = parse_chain(chain)
+
+def _decompress(data: np.ndarray, limit: int, exact: bool, shape) -> np.ndarray:
+    try:
+        size = zstandard.frame_content_size(data)
+    except zstandard.ZstdError as e:
+        raise WireError(Code.BAD_CODEC, f"not a zstd frame: {e}") from None
+    if size < 0 or size > limit or (exact and size != limit):
+        raise WireError(Code.BAD_SHAPE,
+                        f"zstd content size {size} does not fit shape {list(shape)}")
+    try:
+        return np.frombuffer(_dctx.decompress(data, max_output_size=size), np.uint8)
+    except zstandard.ZstdError as e:
+        raise WireError(Code.BAD_CODEC, f"corrupt zstd frame: {e}") from None
+
+
+def _decode(buf, chain: str, dtype: str, shape, max_bytes: int):
+    """Validate and decode a frame: ``(indices or None, values, n, dtype)``."""
+    st = parse_stages(chain)
     if dtype not in ALLOWED_DTYPES:
         raise WireError(Code.BAD_DTYPE, f"dtype {dtype!r} is not allowed")
     dt = np.dtype(dtype)
     n = math.prod(shape)
+    if n < 0:
+        raise WireError(Code.BAD_SHAPE, f"shape {list(shape)} has a negative dimension")
     if n * dt.itemsize > max_bytes:
         raise WireError(Code.TOO_LARGE, f"decoded size {n * dt.itemsize} B above cap {max_bytes} B")
-    if precision != "raw" and dt.kind != "f":
-        raise WireError(Code.BAD_CODEC, f"{precision} cannot decode to {dtype}")
-    staged_len = n * _stage_itemsize(precision, dt)
-    if isinstance(buf, (bytes, bytearray)):
-        data = buf
-    elif isinstance(buf, np.ndarray):
-        data = buf.reshape(-1).view(np.uint8)
+    if st.lossy and dt.kind != "f":
+        raise WireError(Code.BAD_CODEC, f"{st.text(False, False)} cannot decode to {dtype}")
+    if st.sparse and n >= MAX_SPARSE_ELEMENTS:
+        raise WireError(Code.BAD_CODEC, f"{st.sparsifier} takes fewer than {MAX_SPARSE_ELEMENTS} "
+                                        f"elements, not {n}")
+    data = _payload(buf)
+    if st.sparse:    # the largest valid payload: every element kept, every gap at full width
+        limit = _SPARSE_HEAD + n * _varint_width(n) + _values_len(st.coder, dt, n)
     else:
-        mv = memoryview(buf)
-        data = mv.cast("B") if mv.nbytes else b""
-    if use_zstd:
-        try:
-            size = zstandard.frame_content_size(data)
-        except zstandard.ZstdError as e:
-            raise WireError(Code.BAD_CODEC, f"not a zstd frame: {e}") from None
-        if size != staged_len:
-            raise WireError(Code.BAD_SHAPE,
-                            f"zstd content size {size} does not match shape {list(shape)}")
-        try:
-            data = _dctx.decompress(data, max_output_size=staged_len)
-        except zstandard.ZstdError as e:
-            raise WireError(Code.BAD_CODEC, f"corrupt zstd frame: {e}") from None
-    if len(data) != staged_len:
+        limit = _values_len(st.coder, dt, n)
+    if st.zstd:
+        data = _decompress(data, limit, not st.sparse, shape)
+    if st.sparse:
+        if len(data) < _SPARSE_HEAD:
+            raise WireError(Code.BAD_SHAPE, f"{len(data)} bytes cannot hold a sparse header")
+        k, index_len = (int(v) for v in data[:_SPARSE_HEAD].view("<u8"))
+        if k > n:
+            raise WireError(Code.BAD_SHAPE, f"{k} kept values for {n} elements")
+        if _SPARSE_HEAD + index_len + _values_len(st.coder, dt, k) != len(data):
+            raise WireError(Code.BAD_SHAPE, f"{len(data)} bytes do not match {k} kept values of "
+                                            f"{dtype} with {index_len} index bytes ({chain})")
+        idx = _varint_decode(data[_SPARSE_HEAD:_SPARSE_HEAD + index_len], k, n)
+        body = data[_SPARSE_HEAD + index_len:]
+    elif len(data) != limit:
         raise WireError(Code.BAD_SHAPE,
                         f"{len(data)} bytes do not match shape {list(shape)} of {dtype} ({chain})")
-    if precision == "raw":
-        out = np.frombuffer(data, dtype=dt)
-    elif precision == "fp16":
-        out = np.frombuffer(data, dtype=np.float16).astype(dt)
     else:
-        out = _bf16_decode(np.frombuffer(data, dtype=np.uint16))
-        if dt != np.float32:
-            with np.errstate(over="ignore"):   # bf16 above float16's range decodes to inf
-                out = out.astype(dt)
+        idx, k, body = None, n, data
+    arrays, offset = [], 0
+    for sdt, count in _value_sections(st.coder, dt, k):
+        part = body[offset:offset + sdt.itemsize * count]
+        offset += len(part)
+        arrays.append(_unshuffle(part, sdt) if st.shuffle else part.view(sdt))
+    return idx, _decode_values(arrays, st.coder, dt, k), n, dt
+
+
+def _shaped(a: np.ndarray, shape) -> np.ndarray:
     try:
-        return out.reshape(shape)
+        return a.reshape(shape)
     except ValueError:
-        raise WireError(Code.BAD_SHAPE, f"cannot shape {out.size} elements as {list(shape)}") from None
+        raise WireError(Code.BAD_SHAPE,
+                        f"cannot shape {a.size} elements as {list(shape)}") from None
+
+
+def decode(buf, chain: str, dtype: str, shape, max_bytes: int) -> np.ndarray:
+    """Decode one frame to a dense array of ``dtype`` and ``shape`` (zeros where a sparsifier
+    dropped entries).
+
+    Validates the chain, the dtype, the decoded size against ``max_bytes``, and every length,
+    count and index in the payload before using it; raises :class:`WireError` and nothing else.
+    Allocation is bounded by the decoded size, the payload, and for ``zstd`` a decompressed
+    payload no larger than the largest valid one for the shape. The result may be a read-only
+    view of ``buf``.
+    """
+    idx, values, n, dt = _decode(buf, chain, dtype, shape, max_bytes)
+    if idx is not None:
+        dense = np.zeros(n, dt)
+        dense[idx] = values
+        values = dense
+    return _shaped(values, shape)
+
+
+def decode_sparse(buf, chain: str, dtype: str, shape, max_bytes: int):
+    """Like :func:`decode`, without densifying: ``(indices, values)``.
+
+    For a sparsified chain, ``indices`` are the sorted, distinct int64 positions in the flattened
+    tensor and ``values`` the 1-D values there (ready for a scatter-add); for a dense chain,
+    ``indices`` is None and ``values`` the array of ``shape``.
+    """
+    idx, values, _, _ = _decode(buf, chain, dtype, shape, max_bytes)
+    return (idx, values) if idx is not None else (None, _shaped(values, shape))

@@ -112,12 +112,23 @@ class TensorDesc:
 def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | None = None):
     """Encode one tensor: returns ``(desc dict, frame buffer)``."""
     applied, buf = tcodec.encode(arr, chain)
+    return _desc(key, arr, applied, buf, version), buf
+
+
+def encode_tensor_lossy(key: str, arr: np.ndarray, chain: str, rng=None):
+    """Encode one tensor and also return what the receiver will decode:
+    ``(desc dict, frame buffer, decoded array)`` (for error feedback)."""
+    applied, buf, decoded = tcodec.encode(arr, chain, rng=rng, want_decoded=True)
+    return _desc(key, arr, applied, buf, None), buf, decoded
+
+
+def _desc(key: str, arr: np.ndarray, applied: str, buf, version: int | None) -> dict:
     mv = memoryview(buf)
     desc = {"k": key, "d": arr.dtype.name, "s": list(arr.shape), "c": applied,
             "n": mv.nbytes, "x": checksum(mv)}
     if version is not None:
         desc["ver"] = version
-    return desc, buf
+    return desc
 
 
 def _bad(code: Code, msg: str):

@@ -187,7 +187,14 @@ def status(broker_url, as_json, timeout):
               help="Train against this running cluster instead of starting one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on the last line.")
 @click.option("--seed", default=0, show_default=True, type=int)
-def demo(workers, shards, epochs, codec, broker_url, as_json, seed):
+@click.option("--error-feedback/--no-error-feedback", default=True, show_default=True,
+              help="Keep what a lossy codec did not send and add it to the next gradient.")
+@click.option("--accumulate", default=1, show_default=True, type=click.IntRange(1, 1000),
+              help="Sum this many local steps per push.")
+@click.option("--optimizer", type=click.Choice(["adam", "momentum"]), default="adam",
+              show_default=True, help="Server-side optimizer (the baseline always uses adam).")
+def demo(workers, shards, epochs, codec, broker_url, as_json, seed, error_feedback, accumulate,
+         optimizer):
     """Train an MLP on the handwritten digits with asynchronous workers through gradbus."""
     try:
         from gradbus import demo as demo_mod
@@ -195,7 +202,9 @@ def demo(workers, shards, epochs, codec, broker_url, as_json, seed):
         raise click.ClickException(f"the demo needs scikit-learn: pip install 'gradbus[demo]' ({e})")
     try:
         summary = demo_mod.run(workers=workers, shards=shards, epochs=epochs, codec=codec,
-                               broker_url=broker_url, seed=seed, echo=click.echo)
+                               broker_url=broker_url, seed=seed, echo=click.echo,
+                               error_feedback=error_feedback, accumulate=accumulate,
+                               optimizer=optimizer)
     except GradbusError as e:
         raise click.ClickException(str(e))
     if as_json:
@@ -211,10 +220,15 @@ def demo(workers, shards, epochs, codec, broker_url, as_json, seed):
 @click.option("--epochs", default=None, type=int)
 @click.option("--codec", default="raw")
 @click.option("--seed", default=0, type=int)
-def worker_cmd(broker_url, index, workers, epochs, codec, seed):
+@click.option("--error-feedback/--no-error-feedback", default=True)
+@click.option("--accumulate", default=1, type=click.IntRange(1, 1000))
+@click.option("--optimizer", type=click.Choice(["adam", "momentum"]), default="adam")
+def worker_cmd(broker_url, index, workers, epochs, codec, seed, error_feedback, accumulate,
+               optimizer):
     """Run one demo worker (used by `gradbus demo`; start one by hand to add a worker)."""
     from gradbus import demo as demo_mod
-    demo_mod.worker_main(broker_url, index, workers, epochs, codec, seed)
+    demo_mod.worker_main(broker_url, index, workers, epochs, codec, seed, error_feedback,
+                         accumulate, optimizer)
 
 
 __all__ = ["main", "timing", "time"]

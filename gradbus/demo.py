@@ -18,11 +18,16 @@ from gradbus import demo_model as dm
 from gradbus.codecs.errors import GradbusError
 
 PARAM_PREFIX = "digits."
+OPTIMIZERS = {  # the server-side rule; adam matches the single-process baseline
+    "adam": lambda: gradbus.Adam(lr=dm.DEFAULT_LR),
+    "momentum": lambda: gradbus.SGD(lr=0.02, momentum=0.9),
+}
 WINDOW = 2  # pushes in flight per worker: compute step N+1 while step N travels
 
 
 def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, codec: str,
-                seed: int) -> None:
+                seed: int, error_feedback: bool = True, accumulate: int = 1,
+                optimizer: str = "adam") -> None:
     """One asynchronous worker: pull the freshest weights, compute, push, never wait."""
     epochs = epochs or dm.DEFAULT_EPOCHS
     X, y, _, _ = dm.load_digits_split(seed)
@@ -31,8 +36,10 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
     rng = np.random.default_rng(seed * 1000 + index)
     t0 = time.perf_counter()
     with gradbus.connect(broker_url, client_id=f"demo-worker-{index}-{rng.integers(1 << 30)}",
-                         window=WINDOW) as c:
-        c.init(init, optimizer=gradbus.Adam(lr=dm.DEFAULT_LR))
+                         window=WINDOW, error_feedback=error_feedback, seed=seed * 1000 + index) as c:
+        c.init(init, optimizer=OPTIMIZERS[optimizer]())
+        if accumulate > 1:
+            c.accumulate(every=accumulate)
         names = list(init)
         steps = 0
         for epoch in range(epochs):
@@ -49,11 +56,13 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
         c.flush()
         print(json.dumps({"worker": index, "done": True, "pushes": steps,
                           "push_bytes": c.stats["push_bytes"], "recv_bytes": c.stats["recv_bytes"],
+                          "push_raw_bytes": c.stats["push_raw_bytes"],
                           "seconds": time.perf_counter() - t0}), flush=True)
 
 
 def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str = "raw",
-        broker_url: str | None = None, seed: int = 0, echo=print) -> dict:
+        broker_url: str | None = None, seed: int = 0, echo=print, error_feedback: bool = True,
+        accumulate: int = 1, baseline: bool = True, optimizer: str = "adam") -> dict:
     from gradbus.cluster import LocalCluster
     epochs = epochs or dm.DEFAULT_EPOCHS
     t0 = time.perf_counter()
@@ -69,7 +78,10 @@ def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "gradbus", "worker", "--broker", broker_url, "--index",
                  str(i), "--workers", str(workers), "--epochs", str(epochs), "--codec", codec,
-                 "--seed", str(seed)], stdout=subprocess.PIPE, text=True))
+                 "--seed", str(seed), "--accumulate", str(accumulate),
+                 "--optimizer", optimizer,
+                 "--error-feedback" if error_feedback else "--no-error-feedback"],
+                stdout=subprocess.PIPE, text=True))
         done = {}
         for i, p in enumerate(procs):   # lines arrive interleaved in time; read each to its end
             for line in p.stdout:
@@ -93,12 +105,15 @@ def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str
         _, _, Xt, yt = dm.load_digits_split(seed)
         acc = dm.accuracy(params, Xt, yt)
         seconds = time.perf_counter() - t0
-        base = dm.train_single_process(epochs=epochs, seed=seed)
+        base = dm.train_single_process(epochs=epochs, seed=seed) if baseline else None
         return {"test_accuracy": round(acc, 4),
-                "baseline_accuracy": round(base["test_accuracy"], 4),
+                "baseline_accuracy": round(base["test_accuracy"], 4) if base else None,
                 "pushes": int(st["counters"].get("pushes_applied", 0)),
                 "wire_bytes": int(sum(d["push_bytes"] + d["recv_bytes"] for d in done.values())),
                 "push_bytes": int(sum(d["push_bytes"] for d in done.values())),
+                "push_raw_bytes": int(sum(d["push_raw_bytes"] for d in done.values())),
+                "error_feedback": error_feedback, "accumulate": accumulate,
+                "optimizer": optimizer,
                 "seconds": round(seconds, 2), "workers": workers, "shards": shards,
                 "epochs": epochs, "codec": codec}
     finally:

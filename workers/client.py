@@ -310,7 +310,8 @@ class Client:
     def __init__(self, url: str | None = None, *, client_id: bytes | str | None = None,
                  window: int = DEFAULT_WINDOW, timeout: float = DEFAULT_TIMEOUT,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, codec: str = "raw",
-                 max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, curve_configure=None):
+                 max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, curve_configure=None,
+                 error_feedback: bool = True, seed: int | None = None):
         self.url = url or net.default_broker()
         host, _ = net.split_url(self.url)
         if window < 1:
@@ -334,6 +335,12 @@ class Client:
         self._credit = threading.BoundedSemaphore(window)
         self._credit_held: set = set()
         self._async_errors: list = []
+        self.error_feedback = error_feedback
+        self._residual: dict[str, np.ndarray] = {}   # block key -> what lossy codecs left unsent
+        self._rng = np.random.default_rng(seed)
+        self._acc: dict[str, list] = {}              # name -> [sum, count, chain, acks]
+        self._acc_lock = threading.Lock()
+        self._acc_every, self._acc_threshold = 1, None
         self._broker_silent = False
         self._closed = False
         self.ctx = zmq.Context()
@@ -437,30 +444,56 @@ class Client:
 
         The arrays are encoded (or copied) before this returns: the caller may reuse them.
         Blocks while ``window`` pushes are unacknowledged; after ``timeout`` seconds raises
-        :class:`BackPressureError`.
+        :class:`BackPressureError`. With a lossy ``codec`` the part of each gradient that was
+        not sent is kept per key and added to the next push (error feedback). With local
+        accumulation on (:meth:`accumulate`), gradients are summed here and sent only when a
+        key is due; the Future then covers the keys sent by this call (None if none were).
         """
         if acks not in (0, 1):
             raise ValueError("acks must be 0 or 1 (acks='all' needs replicas)")
         chain = codec or self.codec
-        precision, _ = tcodec.parse_chain(chain)
+        tcodec.parse_chain(chain)
         if not isinstance(grads, dict) or not grads:
             raise ValueError("push takes a non-empty dict of name -> gradient array")
         if self._async_errors:
             raise self._async_errors.pop(0)
         layouts = self._layouts(list(grads))
-        descs, bufs = [], []
+        flats = {}
         for name, g in grads.items():
             layout = layouts[name]
             arr = np.asarray(g)
             if arr.shape != layout.shape and arr.size != layout.size:
                 raise ValueError(f"{name}: gradient shape {arr.shape} does not match "
                                  f"{layout.shape}")
-            flat = arr.astype(layout.dtype, copy=False).reshape(-1)
-            if precision == "raw":
-                flat = flat.copy()  # the caller may reuse its buffer; frames go zero-copy
+            flats[name] = arr.astype(layout.dtype, copy=False).reshape(-1)
+        if self._acc_every > 1 or self._acc_threshold is not None:
+            flats = self._accumulate(flats, chain, acks)
+            if not flats:
+                fut: Future = Future()
+                fut.set_result(None)
+                return fut
+        return self._send_push(flats, layouts, chain, acks, version, timeout)
+
+    def _send_push(self, flats: dict, layouts: dict, chain: str, acks: int,
+                   version: int | None, timeout: float | None) -> Future:
+        lossy = self.error_feedback and tcodec.is_lossy(chain)
+        descs, bufs = [], []
+        for name, flat in flats.items():
+            layout = layouts[name]
             for i, key in enumerate(layout.block_keys()):
                 a, b = layout.block_range(i)
-                d, buf = wire.encode_tensor(key, flat[a:b], chain)
+                block = flat[a:b]
+                if lossy:
+                    res = self._residual.get(key)
+                    if res is not None:
+                        block = block + res
+                    d, buf, decoded = wire.encode_tensor_lossy(key, block, chain, self._rng)
+                    self._residual[key] = np.subtract(block, decoded, dtype=block.dtype)
+                else:
+                    d, buf = wire.encode_tensor(key, block, chain)
+                    if isinstance(buf, np.ndarray) and np.may_share_memory(buf, flat):
+                        # raw frames go zero-copy: never send the caller's own memory
+                        buf = buf.copy()
                 descs.append(d)
                 bufs.append(buf)
         if not self._credit.acquire(timeout=timeout if timeout is not None else self.timeout):
@@ -481,9 +514,75 @@ class Client:
             raise
         self.stats["pushes"] += 1
         self.stats["push_bytes"] += sum(d["n"] for d in descs)
+        self.stats["push_raw_bytes"] += sum(f.nbytes for f in flats.values())
         if acks == 0:
             fut.set_result(None)
         return fut
+
+    # -- local accumulation ---------------------------------------------------------------
+    def accumulate(self, every: int = 1, threshold: float | None = None) -> None:
+        """Sum gradients locally and push a key only when it is due: after ``every`` pushes,
+        or (with ``threshold``) once the summed gradient's norm reaches ``threshold`` times the
+        norm of the key's current weights (the "significantly modified" filter). What is held
+        back is sent by :meth:`flush` and :meth:`close`, never dropped. ``every=1`` and no
+        threshold turns accumulation off."""
+        if not isinstance(every, int) or every < 1:
+            raise ValueError("every must be a positive int")
+        if threshold is not None and not threshold > 0:
+            raise ValueError("threshold must be positive")
+        with self._acc_lock:
+            pending = bool(self._acc)
+        if pending:
+            self._flush_accumulated()
+        self._acc_every, self._acc_threshold = every, threshold
+
+    def _accumulate(self, flats: dict, chain: str, acks: int) -> dict:
+        due = {}
+        with self._acc_lock:
+            for name, flat in flats.items():
+                ent = self._acc.get(name)
+                if ent is None:
+                    ent = self._acc[name] = [flat.astype(flat.dtype, copy=True), 0, chain, acks]
+                else:
+                    ent[0] += flat
+                ent[1] += 1
+                ent[2], ent[3] = chain, acks
+                if self._due(name, ent):
+                    due[name] = self._acc.pop(name)[0]
+            self.stats["accumulated"] += len(flats) - len(due)
+        return due
+
+    def _due(self, name: str, ent: list) -> bool:
+        if self._acc_threshold is None:
+            return ent[1] >= self._acc_every
+        if self._acc_every > 1 and ent[1] >= self._acc_every:
+            return True
+        if not self.cache.tracked(name):
+            return True
+        w = self.cache.tensor(name)
+        return float(np.linalg.norm(ent[0])) >= self._acc_threshold * float(np.linalg.norm(w))
+
+    def _flush_accumulated(self) -> list[Future]:
+        with self._acc_lock:
+            held, self._acc = self._acc, {}
+        futs = []
+        groups: dict[tuple, dict] = {}
+        for name, (flat, _, chain, acks) in held.items():
+            groups.setdefault((chain, acks), {})[name] = flat
+        for (chain, acks), flats in groups.items():
+            futs.append(self._send_push(flats, self._layouts(list(flats)), chain, acks, None,
+                                        None))
+        return futs
+
+    def compression_stats(self) -> dict:
+        """Bytes pushed on the wire against their decoded size, and the error-feedback state."""
+        raw, wire_b = self.stats["push_raw_bytes"], self.stats["push_bytes"]
+        res = list(self._residual.values())
+        return {"push_bytes": wire_b, "push_raw_bytes": raw,
+                "ratio": (raw / wire_b) if wire_b else None,
+                "error_feedback_keys": len(res),
+                "error_feedback_norm": float(np.sqrt(sum(float(np.dot(r, r)) for r in res))),
+                "accumulating_keys": len(self._acc)}
 
     def pull(self, keys=None, min_version: int | None = None,
              timeout: float | None = None) -> dict[str, np.ndarray]:
@@ -542,7 +641,10 @@ class Client:
         return self.cache.version(name)
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until every push sent so far is acknowledged (applied or refused)."""
+        """Send what local accumulation holds back, then wait until every push sent so far is
+        acknowledged (applied or refused)."""
+        if self._acc:
+            self._flush_accumulated()
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._cond:
             while self._credit_held:

@@ -1,0 +1,78 @@
+"""Error feedback and local accumulation in the SDK, through a real cluster."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gradbus
+
+
+def test_error_feedback_delivers_everything_eventually(make_cluster):
+    """With SGD(lr=1) the weights are minus the sum of what was *sent*; with error feedback the
+    unsent remainder is carried, so sent + residual == pushed, exactly up to float rounding."""
+    cluster = make_cluster(1)
+    n = 2000
+    rng = np.random.default_rng(1)
+    with gradbus.connect(cluster.url, seed=0) as c:
+        c.init({"w": np.zeros(n, np.float64)}, optimizer=gradbus.SGD(lr=1.0))
+        total = np.zeros(n)
+        for _ in range(20):
+            g = rng.standard_normal(n)
+            total += g
+            c.push({"w": g}, codec="topk:0.05").result(10)
+        w = c.pull(["w"], min_version=20)["w"]
+        residual = c._residual["w/0"]
+        np.testing.assert_allclose(-w + residual, total, rtol=1e-9, atol=1e-9)
+        st = c.compression_stats()
+        assert st["error_feedback_keys"] == 1 and st["error_feedback_norm"] > 0
+        assert st["ratio"] > 5          # 5% of the values + their indices
+
+
+def test_without_error_feedback_the_remainder_is_lost(make_cluster):
+    cluster = make_cluster(1)
+    n = 2000
+    with gradbus.connect(cluster.url, error_feedback=False) as c:
+        c.init({"w": np.zeros(n, np.float64)}, optimizer=gradbus.SGD(lr=1.0))
+        g = np.linspace(-1, 1, n)
+        c.push({"w": g}, codec="topk:0.05").result(10)
+        w = c.pull(["w"], min_version=1)["w"]
+        assert np.count_nonzero(w) == 100 and not c._residual
+        assert np.abs(-w - g).max() > 0.5        # most of the gradient never arrived
+
+
+def test_local_accumulation_every_k_and_flush(make_cluster):
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(4, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        c.accumulate(every=4)
+        futs = [c.push({"w": np.ones(4, np.float32)}) for _ in range(6)]
+        assert sum(f.result(10) is None for f in futs) == 5      # only the 4th sent anything
+        assert c.stats["pushes"] == 1
+        c.flush()                                               # the 2 held back go now
+        assert c.stats["pushes"] == 2
+        w = c.pull(["w"], min_version=2)["w"]
+        assert np.array_equal(w, np.full(4, -6.0, np.float32))  # nothing dropped
+
+
+def test_local_accumulation_significance_threshold(make_cluster):
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.full(100, 10.0, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        c.pull(["w"])
+        c.accumulate(threshold=0.05)       # send once |sum g| >= 5% of |w| = 0.05 * 100
+        small = np.full(100, 0.1, np.float32)   # |g| = 1 per push
+        sent = [c.push({"w": small}).result(10) is not None for _ in range(6)]
+        assert sent == [False, False, False, False, True, False]
+    # close() flushed the last one: 6 pushes worth arrived in total
+    with gradbus.connect(cluster.url) as c2:
+        w = c2.pull(["w"], min_version=2)["w"]
+        np.testing.assert_allclose(w, np.full(100, 10.0 - 0.6, np.float32), rtol=1e-6)
+
+
+def test_accumulate_rejects_bad_settings(make_cluster):
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url) as c:
+        with pytest.raises(ValueError):
+            c.accumulate(every=0)
+        with pytest.raises(ValueError):
+            c.accumulate(threshold=-1.0)

@@ -100,12 +100,15 @@ class TensorDesc:
     nbytes: int
     checksum: int
     version: int | None = None
+    base: int | None = None    # weights only: the frame is a delta on the block published at seq
 
     def to_wire(self) -> dict:
         d = {"k": self.key, "d": self.dtype, "s": list(self.shape), "c": self.codec,
              "n": self.nbytes, "x": self.checksum}
         if self.version is not None:
             d["ver"] = self.version
+        if self.base is not None:
+            d["base"] = self.base
         return d
 
 
@@ -115,11 +118,21 @@ def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | 
     return _desc(key, arr, applied, buf, version), buf
 
 
-def encode_tensor_lossy(key: str, arr: np.ndarray, chain: str, rng=None):
+def encode_tensor_lossy(key: str, arr: np.ndarray, chain: str, rng=None,
+                        version: int | None = None):
     """Encode one tensor and also return what the receiver will decode:
-    ``(desc dict, frame buffer, decoded array)`` (for error feedback)."""
+    ``(desc dict, frame buffer, decoded array)`` (for error feedback and weight deltas)."""
     applied, buf, decoded = tcodec.encode(arr, chain, rng=rng, want_decoded=True)
-    return _desc(key, arr, applied, buf, None), buf, decoded
+    return _desc(key, arr, applied, buf, version), buf, decoded
+
+
+def split_weights_codec(chain: str) -> tuple[bool, str]:
+    """``"delta|bf16"`` -> ``(True, "bf16")``: weight republish as the change since the last
+    published block, coded with the rest of the chain. Validates the rest."""
+    delta = chain == "delta" or chain.startswith("delta|")
+    rest = chain[len("delta|"):] if chain.startswith("delta|") else ("raw" if delta else chain)
+    tcodec.parse_chain(rest)
+    return delta, rest
 
 
 def _desc(key: str, arr: np.ndarray, applied: str, buf, version: int | None) -> dict:
@@ -169,10 +182,11 @@ def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
     if fixed is not None and fixed != n:
         _bad(Code.BAD_SHAPE, f"{key}: shape {shape} of {dtype} with codec {codec} needs "
                              f"{fixed} bytes, header says {n}")
-    ver = d.get("ver")
-    if ver is not None and (not isinstance(ver, int) or isinstance(ver, bool) or ver < 0):
-        _bad(Code.BAD_FIELD, f"{key}: ver must be a non-negative int")
-    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver)
+    ver, base = d.get("ver"), d.get("base")
+    for name, v in (("ver", ver), ("base", base)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            _bad(Code.BAD_FIELD, f"{key}: {name} must be a non-negative int")
+    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver, base)
 
 
 def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:
@@ -227,6 +241,17 @@ def decode_tensor(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BY
     if verify and checksum(buf) != desc.checksum:
         _bad(Code.BAD_CHECKSUM, f"{desc.key}: checksum mismatch")
     return tcodec.decode(buf, desc.codec, desc.dtype, desc.shape, max_tensor_bytes)
+
+
+def decode_tensor_sparse(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BYTES,
+                         verify: bool = True):
+    """Checksum then decode without densifying: ``(indices or None, values)`` (see
+    :func:`gradbus.codecs.tensor.decode_sparse`); dense chains give ``(None, flat array)``."""
+    buf = frame.buffer if hasattr(frame, "buffer") else frame
+    if verify and checksum(buf) != desc.checksum:
+        _bad(Code.BAD_CHECKSUM, f"{desc.key}: checksum mismatch")
+    idx, values = tcodec.decode_sparse(buf, desc.codec, desc.dtype, desc.shape, max_tensor_bytes)
+    return idx, values.reshape(-1) if idx is None else values
 
 
 def pack(kind: str, descs: list | None = None, /, **fields) -> bytes:

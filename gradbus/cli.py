@@ -75,7 +75,8 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
 @broker_option
 @click.option("--id", "shard_id", default=None, help="Shard id (default: a random one).")
 @click.option("--weights-codec", default="raw", show_default=True,
-              help="Codec chain for republished weights (raw, bf16, fp16, ...|zstd).")
+              help="Codec chain for republished weights, e.g. raw, bf16, raw|shuffle|zstd; "
+                   "prefix delta| to send the change since the last publish.")
 @click.option("--nan-policy", type=click.Choice(["refuse", "allow"]), default="refuse",
               show_default=True, help="What to do with a gradient holding NaN or Inf.")
 @click.option("--fault-apply-delay", default=0.0, type=click.FloatRange(0, 10), hidden=True,

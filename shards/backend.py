@@ -221,9 +221,14 @@ class NumpyBackend:
                 hh += t
 
     @staticmethod
-    def scatter_add(dense, indices, values) -> None:
-        """Indices out of range raise IndexError."""
-        np.add.at(dense, indices, values)
+    def scatter_add(dense, indices, values, unique: bool = False) -> None:
+        """``dense[indices] += values``. With ``unique`` (no repeated index, as in one sparse
+        gradient) a plain fancy-index add; otherwise ``np.add.at``, which sums repeats.
+        Indices out of range raise IndexError."""
+        if unique:
+            dense[indices] += values
+        else:
+            np.add.at(dense, indices, values)
 
 
 # The numba loops: the numpy path's expressions, element by element. Plain functions here (so
@@ -375,6 +380,6 @@ class CupyBackend:
     def adagrad_step(self, w, g, h, k: int, lr: float, eps: float, scratch=None) -> None:
         self._adagrad(g, *adagrad_coefs(k), eps, lr, w, h)
 
-    def scatter_add(self, dense, indices, values) -> None:
-        """Indices outside ``[0, dense.size)`` are skipped."""
+    def scatter_add(self, dense, indices, values, unique: bool = False) -> None:
+        """Indices outside ``[0, dense.size)`` are skipped (atomic adds: repeats sum)."""
         self._scatter_add(values, indices, dense.size, dense)

@@ -34,7 +34,7 @@ class ShardCore:
                  backend=None):
         if nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy must be one of {NAN_POLICIES}")
-        wire.tcodec.parse_chain(weights_codec)
+        self.delta, self.weights_chain = wire.split_weights_codec(weights_codec)
         self.shard_id = shard_id
         # Chosen (and any JIT compiled) here, before the shard's loop starts heartbeating.
         self.backend = backend or backend_mod.load()
@@ -110,8 +110,10 @@ class ShardCore:
                         raise WireError(Code.BAD_SHAPE,
                                         f"{desc.key}: gradient {desc.dtype}{list(desc.shape)} does "
                                         f"not match {blk.value.dtype}[{blk.value.size}]")
-                    g = wire.decode_tensor(desc, frames[i], self.max_tensor_bytes)
-                    if self.nan_policy == "refuse" and not np.isfinite(g).all():
+                    # sparse chains come back as (indices, values): scatter-added, never densified
+                    g = wire.decode_tensor_sparse(desc, frames[i], self.max_tensor_bytes)
+                    vals = g[1]
+                    if self.nan_policy == "refuse" and not np.isfinite(vals).all():
                         raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
                     sums.setdefault(desc.key, []).append(g)
                 elif op == "init":
@@ -133,10 +135,18 @@ class ShardCore:
         be = self.backend
         for key, grads in sums.items():
             blk = self.store.blocks[key]
-            if len(grads) == 1:
-                g = be.asarray(grads[0])
-            else:   # the batch's sum, in batch order, in one pass over the gradients
-                g = be.sum_into(self._acc_for(key, blk.value), [be.asarray(x) for x in grads])
+            dense = [be.asarray(v) for idx, v in grads if idx is None]
+            sparse = [(be.asarray(idx), be.asarray(v)) for idx, v in grads if idx is not None]
+            if len(dense) == 1 and not sparse:
+                g = dense[0]
+            else:   # the batch's sum in one pass over the dense ones, then the sparse added
+                g = self._acc_for(key, blk.value)
+                if dense:
+                    be.sum_into(g, dense)
+                else:
+                    g.fill(0)
+                for idx, v in sparse:
+                    be.scatter_add(g, idx, v, unique=True)
             blk.rule.step(blk.value, g, len(grads), blk.state,
                           self._scratch_for(blk.value.size, blk.value.dtype))
             blk.version += len(grads)
@@ -149,8 +159,11 @@ class ShardCore:
     def _result(self, p, seq, epoch, errors, changed, duplicate=False):
         descs, bufs = [], []
         for blk in changed.values():
-            value = self._host_copy(blk.value)
-            d, buf = wire.encode_tensor(blk.key, value, self.weights_codec, blk.version)
+            if self.delta:
+                d, buf = self._encode_delta(blk, seq)
+            else:
+                d, buf = wire.encode_tensor(blk.key, self._host_copy(blk.value),
+                                            self.weights_chain, blk.version)
             descs.append(d)
             bufs.append(buf)
         pub = wire.pack(wire.UPDATE, descs, p=p, seq=seq, epoch=epoch)
@@ -159,6 +172,24 @@ class ShardCore:
         if duplicate:
             res["dup"] = True
         return res, [pub, *bufs]
+
+    def _encode_delta(self, blk, seq: int):
+        """Publish the change since the block's last publish (the first publish is whole).
+        ``published`` advances by exactly what subscribers decode, so a lossy chain's error
+        is carried into the next delta rather than accumulating on the subscribers."""
+        value = self.backend.to_host(blk.value)
+        if blk.published is None:
+            d, buf, decoded = wire.encode_tensor_lossy(blk.key, value.copy(), self.weights_chain,
+                                                       version=blk.version)
+            blk.published = np.array(decoded, dtype=value.dtype, copy=True)
+        else:
+            change = np.subtract(value, blk.published)
+            d, buf, decoded = wire.encode_tensor_lossy(blk.key, change, self.weights_chain,
+                                                       version=blk.version)
+            d["base"] = blk.pub_seq
+            blk.published += decoded
+        blk.pub_seq = seq
+        return d, buf
 
     def _host_copy(self, value):
         """A host array that no later step will write to (frames are sent zero-copy)."""
@@ -174,7 +205,11 @@ class ShardCore:
             if blk is None:
                 missing.append(key)
                 continue
-            d, buf = wire.encode_tensor(key, self._host_copy(blk.value), "raw", blk.version)
+            if self.delta and blk.published is not None:   # what subscribers' deltas build on
+                d, buf = wire.encode_tensor(key, blk.published.copy(), "raw", blk.version)
+                d["base"] = blk.pub_seq
+            else:
+                d, buf = wire.encode_tensor(key, self._host_copy(blk.value), "raw", blk.version)
             descs.append(d)
             bufs.append(buf)
             parts[blk.p] = self.store.partition(blk.p).seq

@@ -21,6 +21,8 @@ class Block:
     state: dict
     version: int = 0             # gradients applied (pushes), 0 after init
     p: int = 0                   # partition
+    published: np.ndarray | None = None  # delta weights: what subscribers hold (host memory)
+    pub_seq: int | None = None           # ... as of the partition seq of that publish
 
     @property
     def nbytes(self) -> int:

@@ -214,3 +214,22 @@ def test_broker_death_is_a_clear_error(make_cluster):
         with pytest.raises(gradbus.BrokerUnavailableError):
             c.pull(["w"], min_version=1)
         assert not c.broker_alive
+
+
+@pytest.mark.parametrize("weights_codec", ["delta|raw|shuffle|zstd", "delta|bf16"])
+def test_delta_weight_republish(make_cluster, weights_codec):
+    cluster = make_cluster(2, shard_args=["--weights-codec", weights_codec])
+    w0 = (np.arange(300_000) % 97).astype(np.float32)
+    with gradbus.connect(cluster.url, block_bytes=256 << 10) as reader, \
+            gradbus.connect(cluster.url) as writer:
+        writer.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        reader.pull(["w"])
+        for f in [writer.push({"w": np.full(300_000, G, np.float32)}) for _ in range(10)]:
+            f.result(20)
+        wait_for(lambda: reader.version("w") == 10, 20, "the reader to follow 10 deltas")
+        w = reader.pull(["w"])["w"]
+    exact = w0 - 10 * LR * G
+    if weights_codec.endswith("bf16"):
+        assert np.abs(w - exact).max() <= 2 ** -7 * np.abs(exact).max()
+    else:
+        assert np.array_equal(w, exact)

@@ -278,16 +278,16 @@ def test_cache_snapshot_then_updates_in_order_and_gap_resync():
     key = keys[0]
     p = partition_of(key, 4)
     # updates before the snapshot are buffered, applied after if newer
-    cache.on_update(p, 6, [(key, np.full(2, 6.0, np.float32), 6)])
+    cache.on_update(p, 6, [(key, np.full(2, 6.0, np.float32), 6, None)])
     snap = {pp: 5 for pp in {partition_of(k, 4) for k in keys}}
-    blocks = [(k, np.zeros(2, np.float32), 5) for k in keys]
+    blocks = [(k, np.zeros(2, np.float32), 5, None) for k in keys]
     assert cache.on_snapshot(snap, blocks) == []
     assert cache.blocks[key].version == 6
-    assert not cache.on_update(p, 6, [(key, np.full(2, 99.0, np.float32), 99)])  # stale dropped
+    assert not cache.on_update(p, 6, [(key, np.full(2, 99.0, np.float32), 99, None)])  # stale dropped
     assert cache.blocks[key].version == 6 and cache.stats["stale_updates"] == 1
-    assert cache.on_update(p, 8, [(key, np.full(2, 8.0, np.float32), 8)])   # gap -> resync
+    assert cache.on_update(p, 8, [(key, np.full(2, 8.0, np.float32), 8, None)])   # gap -> resync
     assert cache.parts[p].resync
-    assert cache.on_snapshot({p: 8}, [(k, np.full(2, 8.0, np.float32), 8)
+    assert cache.on_snapshot({p: 8}, [(k, np.full(2, 8.0, np.float32), 8, None)
                                       for k in cache.resync_keys(p)]) == []
     assert not cache.parts[p].resync and cache.parts[p].last_seq == 8
     t = cache.tensor("w")
@@ -297,14 +297,14 @@ def test_cache_snapshot_then_updates_in_order_and_gap_resync():
 def test_cache_version_is_min_over_blocks():
     cache, layout, parts, keys = _cache_with()
     snap = {partition_of(k, 4): 1 for k in keys}
-    cache.on_snapshot(snap, [(k, np.zeros(2, np.float32), i + 3) for i, k in enumerate(keys)])
+    cache.on_snapshot(snap, [(k, np.zeros(2, np.float32), i + 3, None) for i, k in enumerate(keys)])
     assert cache.version("w") == 3
 
 
 def test_cache_heartbeat_reveals_a_dropped_tail():
     cache, layout, parts, keys = _cache_with()
     snap = {partition_of(k, 4): 3 for k in keys}
-    cache.on_snapshot(snap, [(k, np.zeros(2, np.float32), 3) for k in keys])
+    cache.on_snapshot(snap, [(k, np.zeros(2, np.float32), 3, None) for k in keys])
     p = partition_of(keys[0], 4)
     assert cache.on_heartbeat([p], [3]) == []          # up to date
     assert cache.on_heartbeat([p], [4]) == [p]         # seq 4 was published, never seen
@@ -320,3 +320,74 @@ def test_broker_heartbeat_names_published_seqs():
     hb = [unpack(m[1]) for m in rig.published if m[0] == wire.TOPIC_HEARTBEAT][-1]
     p = partition_of("w/0", 16)
     assert dict(zip(hb["ps"], hb["seqs"]))[p] == 2
+
+
+def test_shard_scatter_adds_sparse_gradients_with_dense_ones():
+    sc = _shard_with({"name": "sgd", "lr": 1.0}, np.zeros(64))
+    rng = np.random.default_rng(3)
+    dense = rng.normal(size=64)
+    sparse = rng.normal(size=64)
+    encs = [wire.encode_tensor("w/0", dense), wire.encode_tensor("w/0", sparse, "topk:0.125")]
+    sc.handle(_batch(0, 2, [{"op": "push", "i": 0}, {"op": "push", "i": 1}],
+                     [e[0] for e in encs], [bytes(e[1]) for e in encs]))
+    kept = np.zeros(64)
+    top = np.argsort(-np.abs(sparse))[:8]
+    kept[top] = sparse[top]
+    np.testing.assert_allclose(sc.store.blocks["w/0"].value, -(dense + kept), rtol=1e-12)
+    sc2 = _shard_with({"name": "sgd", "lr": 1.0}, np.zeros(64))
+    _apply(sc2, 2, [sparse])
+    assert encs[1][0]["c"].startswith("topk")
+    one = wire.encode_tensor("w/0", sparse, "topk:0.125")
+    sc2.handle(_batch(0, 3, [{"op": "push", "i": 0}], [one[0]], [bytes(one[1])]))
+    np.testing.assert_allclose(sc2.store.blocks["w/0"].value, -(sparse + kept), rtol=1e-12)
+
+
+@pytest.mark.parametrize("chain", ["delta", "delta|raw|shuffle|zstd", "delta|bf16"])
+def test_delta_weights_reconstruct_what_the_shard_published(chain):
+    """A subscriber fed the shard's UPDATEs holds exactly the shard's published values; with a
+    lossless chain they are the weights themselves, with bf16 the error stays bounded (it is
+    carried into the next delta, never accumulated)."""
+    sc = ShardCore("s", weights_codec=chain)
+    layout = TensorLayout("w", "float32", (256,), 256)
+    rng = np.random.default_rng(5)
+    w0 = rng.normal(size=256).astype(np.float32)
+    d, buf = wire.encode_tensor("w/0", w0)
+    out = sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
+                                   "rule": {"name": "given"}, "opt": {"name": "sgd", "lr": 0.01},
+                                   "i": 0}], [d], [bytes(buf)]))
+    cache = WeightCache(1)
+    cache.track(layout)
+
+    def feed(msg):
+        upd = unpack(msg[0][1])
+        blocks = [(t["k"], wire.decode_tensor(wire.parse_desc(t), msg[0][2]), t["ver"],
+                   t.get("base")) for t in upd["t"]]
+        return blocks, upd["seq"]
+
+    snap = sc.handle([wire.pack(wire.SNAPSHOT, req=1, keys=["w/0"], client=b"c", of=1)])[0]
+    sd = unpack(snap[0])
+    cache.on_snapshot({0: sd["parts"][0][1]}, [(
+        "w/0", wire.decode_tensor(wire.parse_desc(sd["t"][0]), snap[1]), 0,
+        sd["t"][0].get("base"))])
+    assert feed(out)[0][0][3] is None                      # the first publish is whole
+    for seq in range(2, 40):
+        g = rng.normal(size=256).astype(np.float32)
+        e = wire.encode_tensor("w/0", g)
+        out = sc.handle(_batch(0, seq, [{"op": "push", "i": 0}], [e[0]], [bytes(e[1])]))
+        blocks, useq = feed(out)
+        assert blocks[0][3] == seq - 1                      # a delta on the previous publish
+        assert not cache.on_update(0, useq, blocks)
+    blk = sc.store.blocks["w/0"]
+    got = cache.tensor("w")
+    assert np.array_equal(got, blk.published)
+    if chain == "delta|bf16":
+        assert np.abs(got - blk.value).max() <= 2 ** -7 * np.abs(blk.value).max()
+    else:
+        np.testing.assert_allclose(got, blk.value, rtol=0, atol=1e-6)
+    # a delta whose base the subscriber does not hold is a gap, never misapplied
+    e = wire.encode_tensor("w/0", np.ones(256, np.float32))
+    sc.handle(_batch(0, 40, [{"op": "push", "i": 0}], [e[0]], [bytes(e[1])]))   # lost
+    out = sc.handle(_batch(0, 41, [{"op": "push", "i": 0}], [e[0]], [bytes(e[1])]))
+    blocks, useq = feed(out)
+    cache.parts[0].last_seq = useq - 1                      # even with the seq gap hidden
+    assert cache.on_update(0, useq, blocks) is True

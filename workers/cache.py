@@ -33,6 +33,7 @@ class Block:
     value: np.ndarray
     version: int
     seq: int
+    pub: int | None = None     # delta weights: the publish seq this value corresponds to
 
 
 class WeightCache:
@@ -71,19 +72,21 @@ class WeightCache:
 
     # -- events --------------------------------------------------------------------------
     def on_snapshot(self, parts: dict, blocks) -> list[int]:
-        """Apply a snapshot reply: ``parts`` {p: seq}, ``blocks`` [(key, array, version)].
+        """Apply a snapshot reply: ``parts`` {p: seq}, ``blocks`` [(key, array, version, base)]
+        (``base``: the publish seq the value corresponds to, for delta weights, else None).
         Returns partitions that need another snapshot."""
         self.stats["snapshots"] += 1
-        for key, arr, ver in blocks:
+        for key, arr, ver, base in blocks:
             p = partition_of(key, self.P)
             seq = int(parts.get(p, 0))
             part = self.parts.get(p)
             newer = part.pending.pop(key, None) if part is not None else None
             if newer is not None and newer[0] > seq:
                 seq, arr, ver = newer
+                base = seq
             cur = self.blocks.get(key)
             if cur is None or seq >= cur.seq:
-                self.blocks[key] = Block(_frozen(arr), ver, seq)
+                self.blocks[key] = Block(_frozen(arr), ver, seq, base)
         again = []
         for p, seq in parts.items():
             part = self.parts.get(int(p))
@@ -115,17 +118,30 @@ class WeightCache:
             part.resync = True
             part.buffered = [(seq, blocks)]
             return True
-        part.last_seq = seq
-        self.stats["updates"] += 1
-        for key, arr, ver in blocks:
+        new = {}
+        for key, arr, ver, base in blocks:
+            cur = self.blocks.get(key)
+            if base is not None:
+                # a delta: it applies only onto the value published at ``base``
+                if key in part.pending or cur is None or seq <= cur.seq:
+                    continue
+                if cur.pub != base:
+                    self.stats["gaps"] += 1
+                    part.resync = True
+                    part.buffered = []
+                    return True
+                new[key] = Block(_frozen(cur.value + arr), ver, seq, seq)
+                continue
             if key in part.pending:
                 held = part.pending[key]
                 if held is None or seq > held[0]:
                     part.pending[key] = (seq, arr, ver)
                 continue
-            cur = self.blocks.get(key)
             if cur is not None and seq > cur.seq:
-                self.blocks[key] = Block(_frozen(arr), ver, seq)
+                new[key] = Block(_frozen(arr), ver, seq, seq)
+        part.last_seq = seq
+        self.stats["updates"] += 1
+        self.blocks.update(new)
         return False
 
     def on_heartbeat(self, ps, seqs) -> list[int]:

@@ -236,8 +236,8 @@ class Agent(threading.Thread):
         req = h["req"]
         got = self.snap_parts.get(req)
         descs = wire.parse_tensors(h, frames, self.c.max_tensor_bytes)
-        blocks = [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0)
-                  for d, f in zip(descs, frames)]
+        blocks = [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0,
+                   d.base) for d, f in zip(descs, frames)]
         parts = {int(p): int(s) for p, s in h["parts"]}
         if got is None:
             return
@@ -287,8 +287,8 @@ class Agent(threading.Thread):
         part = self.c.cache.parts.get(h["p"])
         if part is None:
             return
-        blocks = [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0)
-                  for d, f in zip(descs, frames[2:]) if d.key in part.keys]
+        blocks = [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0,
+                   d.base) for d, f in zip(descs, frames[2:]) if d.key in part.keys]
         with self.c._cond:
             gap = self.c.cache.on_update(h["p"], h["seq"], blocks)
             self.c._cond.notify_all()

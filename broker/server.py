@@ -24,6 +24,8 @@ log = logging.getLogger("gradbus.broker")
 
 EVENTS_SNDHWM = 64        # messages queued per subscriber before XPUB drops (clients re-snapshot)
 FRONTEND_RCVHWM = 1000    # messages queued from clients before TCP back-pressure
+FRONTEND_SNDHWM = 10000   # replies queued per client; replies are small and bounded by its window,
+                          # and a reply that still finds the queue full is counted and dropped
 DRAIN_MAX = 512           # messages read from one socket before flushing
 
 
@@ -43,6 +45,7 @@ class BrokerServer:
         net.tune(self.events)
         self.events.sndhwm = EVENTS_SNDHWM
         self.frontend.rcvhwm = FRONTEND_RCVHWM
+        self.frontend.sndhwm = FRONTEND_SNDHWM
         self.port = self._bind(self.frontend, port)
         self.backend_port = self._bind(self.backend, backend_port)
         self.events_port = self._bind(self.events, events_port)

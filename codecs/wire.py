@@ -10,13 +10,16 @@ A message is a list of ZeroMQ frames::
 * Each tensor frame is raw bytes described by one entry of ``"t"``, in order::
 
       {"k": key, "d": dtype, "s": [shape], "c": codec chain, "n": encoded bytes,
-       "x": xxh3-64 checksum of the encoded bytes, "ver": version (optional)}
+       "x": xxh3-64 checksum of the encoded bytes, "ver": version (optional),
+       "base": for delta weights, the publish seq the frame is a change on (optional),
+       "cnt": for gradients, how many gradients the frame sums (optional, default 1)}
 
 Tensors never travel pickled. A receiver validates, before using anything: the frame count against
 ``len(t)``, the protocol version, the kind against its allow-list, the required header fields and
 their types (:data:`SCHEMA`), the dtype allow-list, that the shape is a list of non-negative ints
 whose decoded size is under the cap, that each frame's length equals its ``n`` (and, for fixed-size
-codecs, ``prod(shape) * stage itemsize``), and, where the tensor is decoded, the checksum.
+chains, the length the chain gives for the shape: :func:`tensor.encoded_len_fixed`), and, where the
+tensor is decoded, the checksum and every count and length inside the payload.
 A violation raises :class:`~gradbus.codecs.errors.WireError` with a code.
 """
 from __future__ import annotations
@@ -101,6 +104,7 @@ class TensorDesc:
     checksum: int
     version: int | None = None
     base: int | None = None    # weights only: the frame is a delta on the block published at seq
+    count: int = 1             # gradients only: how many gradients this one sums (local steps)
 
     def to_wire(self) -> dict:
         d = {"k": self.key, "d": self.dtype, "s": list(self.shape), "c": self.codec,
@@ -109,12 +113,16 @@ class TensorDesc:
             d["ver"] = self.version
         if self.base is not None:
             d["base"] = self.base
+        if self.count != 1:
+            d["cnt"] = self.count
         return d
 
 
-def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | None = None):
-    """Encode one tensor: returns ``(desc dict, frame buffer)``."""
-    applied, buf = tcodec.encode(arr, chain)
+def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | None = None,
+                  rng=None):
+    """Encode one tensor: returns ``(desc dict, frame buffer)``. ``rng`` feeds the stochastic
+    codecs (randomk, int8 rounding)."""
+    applied, buf = tcodec.encode(arr, chain, rng=rng)
     return _desc(key, arr, applied, buf, version), buf
 
 
@@ -131,6 +139,9 @@ def split_weights_codec(chain: str) -> tuple[bool, str]:
     published block, coded with the rest of the chain. Validates the rest."""
     delta = chain == "delta" or chain.startswith("delta|")
     rest = chain[len("delta|"):] if chain.startswith("delta|") else ("raw" if delta else chain)
+    if not delta and tcodec.parse_stages(rest).sparsifier is not None:
+        raise WireError(Code.BAD_CODEC, f"weights codec {chain!r}: a sparsifier would publish "
+                                        f"zeros for the weights it drops; use delta|{chain}")
     tcodec.parse_chain(rest)
     return delta, rest
 
@@ -182,11 +193,13 @@ def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
     if fixed is not None and fixed != n:
         _bad(Code.BAD_SHAPE, f"{key}: shape {shape} of {dtype} with codec {codec} needs "
                              f"{fixed} bytes, header says {n}")
-    ver, base = d.get("ver"), d.get("base")
+    ver, base, cnt = d.get("ver"), d.get("base"), d.get("cnt", 1)
     for name, v in (("ver", ver), ("base", base)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             _bad(Code.BAD_FIELD, f"{key}: {name} must be a non-negative int")
-    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver, base)
+    if not isinstance(cnt, int) or isinstance(cnt, bool) or not 1 <= cnt <= 1 << 30:
+        _bad(Code.BAD_FIELD, f"{key}: cnt must be a positive int")
+    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver, base, cnt)
 
 
 def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:

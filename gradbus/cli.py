@@ -80,7 +80,7 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
 @click.option("--nan-policy", type=click.Choice(["refuse", "allow"]), default="refuse",
               show_default=True, help="What to do with a gradient holding NaN or Inf.")
 @click.option("--fault-apply-delay", default=0.0, type=click.FloatRange(0, 10), hidden=True,
-              help="Testing: sleep this long before handling each message (a slow shard).")
+              help="Testing: sleep this long before each batch or snapshot (a slow shard).")
 @click.option("-v", "--verbose", count=True)
 def shard(broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay, verbose):
     """Run a shard in the foreground; it needs only the broker's client URL."""

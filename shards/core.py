@@ -115,7 +115,7 @@ class ShardCore:
                     vals = g[1]
                     if self.nan_policy == "refuse" and not np.isfinite(vals).all():
                         raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
-                    sums.setdefault(desc.key, []).append(g)
+                    sums.setdefault(desc.key, []).append((*g, desc.count))
                 elif op == "init":
                     layout = TensorLayout.from_wire(ent["layout"])
                     given = None
@@ -135,8 +135,9 @@ class ShardCore:
         be = self.backend
         for key, grads in sums.items():
             blk = self.store.blocks[key]
-            dense = [be.asarray(v) for idx, v in grads if idx is None]
-            sparse = [(be.asarray(idx), be.asarray(v)) for idx, v in grads if idx is not None]
+            dense = [be.asarray(v) for idx, v, _ in grads if idx is None]
+            sparse = [(be.asarray(idx), be.asarray(v)) for idx, v, _ in grads if idx is not None]
+            k = sum(c for _, _, c in grads)     # gradients summed, local steps included
             if len(dense) == 1 and not sparse:
                 g = dense[0]
             else:   # the batch's sum in one pass over the dense ones, then the sparse added
@@ -147,9 +148,9 @@ class ShardCore:
                     g.fill(0)
                 for idx, v in sparse:
                     be.scatter_add(g, idx, v, unique=True)
-            blk.rule.step(blk.value, g, len(grads), blk.state,
+            blk.rule.step(blk.value, g, k, blk.state,
                           self._scratch_for(blk.value.size, blk.value.dtype))
-            blk.version += len(grads)
+            blk.version += k
             changed[key] = blk
         applied = sum(len(g) for g in sums.values())
         self.stats["pushes_applied"] += applied

@@ -42,6 +42,7 @@ class ShardServer:
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None
+        self._registered_at = float("-inf")
 
     def _connect(self) -> None:
         host, _ = net.split_url(self.broker_url)
@@ -53,6 +54,7 @@ class ShardServer:
         self._register()
 
     def _register(self) -> None:
+        self._registered_at = self.clock()
         self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id,
                                  holds=sorted(self.core.store.partitions)))
 
@@ -77,9 +79,11 @@ class ShardServer:
                             log.info("%s registered with %s", self.shard_id, self.broker_url)
                             continue
                         if kind == wire.ERROR and head.get("code") == Code.NOT_REGISTERED.value:
-                            # declared dead while alive (a stall): register again
+                            # declared dead while alive (a stall): register again, once per
+                            # liveness window (several messages sent meanwhile each get one)
                             self.registered.clear()
-                            self._register()
+                            if self.clock() - self._registered_at > self.hb_interval * self.liveness:
+                                self._register()
                             continue
                         if kind in (wire.HEARTBEAT, wire.ERROR):
                             if kind == wire.ERROR:

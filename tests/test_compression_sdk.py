@@ -50,8 +50,9 @@ def test_local_accumulation_every_k_and_flush(make_cluster):
         assert c.stats["pushes"] == 1
         c.flush()                                               # the 2 held back go now
         assert c.stats["pushes"] == 2
-        w = c.pull(["w"], min_version=2)["w"]
+        w = c.pull(["w"], min_version=6)["w"]                   # versions count gradients
         assert np.array_equal(w, np.full(4, -6.0, np.float32))  # nothing dropped
+        assert c.version("w") == 6
 
 
 def test_local_accumulation_significance_threshold(make_cluster):
@@ -65,7 +66,7 @@ def test_local_accumulation_significance_threshold(make_cluster):
         assert sent == [False, False, False, False, True, False]
     # close() flushed the last one: 6 pushes worth arrived in total
     with gradbus.connect(cluster.url) as c2:
-        w = c2.pull(["w"], min_version=2)["w"]
+        w = c2.pull(["w"], min_version=6)["w"]
         np.testing.assert_allclose(w, np.full(100, 10.0 - 0.6, np.float32), rtol=1e-6)
 
 
@@ -76,3 +77,28 @@ def test_accumulate_rejects_bad_settings(make_cluster):
             c.accumulate(every=0)
         with pytest.raises(ValueError):
             c.accumulate(threshold=-1.0)
+
+
+def test_back_pressure_keeps_error_feedback_and_held_back_sums(make_cluster):
+    """A push refused for lack of credit changes nothing: no residual, no lost sums."""
+    cluster = make_cluster(1, broker_args=["--shard-credit", "1"],
+                           shard_args=["--fault-apply-delay", "0.3"])
+    with gradbus.connect(cluster.url, window=1, timeout=20) as c:
+        c.init({"w": np.zeros(64, np.float64)}, optimizer=gradbus.SGD(lr=1.0))
+        c.push({"w": np.ones(64)}, codec="topk:0.25")           # takes the only slot
+        before = {k: v.copy() for k, v in c._residual.items()}
+        with pytest.raises(gradbus.BackPressureError):
+            c.push({"w": np.full(64, 5.0)}, codec="topk:0.25", timeout=0.01)
+        assert before.keys() == c._residual.keys()
+        for k in before:
+            assert np.array_equal(before[k], c._residual[k])
+        c.flush()
+        c.accumulate(every=2)
+        c.push({"w": np.ones(64)})
+        c.push({"w": np.ones(64)})          # due: takes the slot
+        c.push({"w": np.ones(64)})
+        with pytest.raises(gradbus.BackPressureError):
+            c.push({"w": np.ones(64)}, timeout=0.01)   # due, refused: the 2 stay held back
+        c.flush()
+        total = -c.pull(["w"], min_version=5)["w"] + c._residual["w/0"]
+        np.testing.assert_allclose(total, np.full(64, 5.0))   # 1 (topk + residual) + 4 ones

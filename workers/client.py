@@ -37,7 +37,8 @@ log = logging.getLogger("gradbus.client")
 DEFAULT_WINDOW = 32          # unacknowledged pushes per client
 DEFAULT_TIMEOUT = 30.0       # seconds for init/pull/flush round trips
 EVENTS_RCVHWM = 64
-SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried again
+SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried again, doubling ...
+SNAPSHOT_RETRY_MAX = 30.0    # ... up to this
 
 
 class Agent(threading.Thread):
@@ -61,6 +62,7 @@ class Agent(threading.Thread):
         self.snap_need: dict[int, int] = {}
         self.internal: dict[int, list[str]] = {}   # req -> keys of a re-snapshot with no waiter
         self.retries: list = []                      # (when, keys) re-snapshots to try again
+        self.retry_count: dict[str, int] = {}         # first key -> failed attempts in a row
         self.last_heard = time.monotonic()
         self.stop_flag = False
         self.error: BaseException | None = None
@@ -152,6 +154,9 @@ class Agent(threading.Thread):
             except WireError as e:
                 self.c.stats["bad_messages"] += 1
                 log.warning("bad message from broker: %s", e)
+            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+                self.c.stats["bad_messages"] += 1   # malformed beyond the schema: never fatal
+                log.warning("malformed message from broker: %r", e)
 
     # -- commands from the user thread ------------------------------------------------
     def _command(self, cmd) -> None:
@@ -199,7 +204,12 @@ class Agent(threading.Thread):
             keys = self.internal.pop(req, None)
             if keys is not None and kind == wire.ERROR:
                 # a re-snapshot failed (e.g. the shard is down): try again later
-                self.retries.append((time.monotonic() + SNAPSHOT_RETRY, keys))
+                n = self.retry_count.get(keys[0], 0) + 1 if keys else 1
+                if keys:
+                    self.retry_count[keys[0]] = n
+                delay = min(SNAPSHOT_RETRY * 2 ** (n - 1), SNAPSHOT_RETRY_MAX)
+                self.retries.append((time.monotonic() + delay, keys))
+                self.retries.sort(key=lambda r: r[0])
             fut = self.futures.pop(("req", req), None)
             if fut is not None and not fut.done():
                 if kind == wire.ERROR:
@@ -245,7 +255,9 @@ class Agent(threading.Thread):
         if len(got) < int(h.get("of", 1)):
             return
         del self.snap_parts[req]
-        self.internal.pop(req, None)
+        keys = self.internal.pop(req, None)
+        if keys:
+            self.retry_count.pop(keys[0], None)
         missing = [m for _, _, ms in got for m in ms]
         with self.c._cond:
             again = set()
@@ -467,19 +479,26 @@ class Client:
                                  f"{layout.shape}")
             flats[name] = arr.astype(layout.dtype, copy=False).reshape(-1)
         if self._acc_every > 1 or self._acc_threshold is not None:
-            flats = self._accumulate(flats, chain, acks)
+            flats, counts = self._accumulate(flats, chain, acks)
             if not flats:
                 fut: Future = Future()
                 fut.set_result(None)
                 return fut
+            try:
+                return self._send_push(flats, layouts, chain, acks, version, timeout, counts)
+            except BaseException:
+                self._hold_back(flats, counts, chain, acks)   # not sent: keep the sums
+                raise
         return self._send_push(flats, layouts, chain, acks, version, timeout)
 
     def _send_push(self, flats: dict, layouts: dict, chain: str, acks: int,
-                   version: int | None, timeout: float | None) -> Future:
+                   version: int | None, timeout: float | None,
+                   counts: dict | None = None) -> Future:
         lossy = self.error_feedback and tcodec.is_lossy(chain)
-        descs, bufs = [], []
+        descs, bufs, residuals = [], [], {}
         for name, flat in flats.items():
             layout = layouts[name]
+            cnt = counts.get(name, 1) if counts else 1
             for i, key in enumerate(layout.block_keys()):
                 a, b = layout.block_range(i)
                 block = flat[a:b]
@@ -488,12 +507,14 @@ class Client:
                     if res is not None:
                         block = block + res
                     d, buf, decoded = wire.encode_tensor_lossy(key, block, chain, self._rng)
-                    self._residual[key] = np.subtract(block, decoded, dtype=block.dtype)
+                    residuals[key] = np.subtract(block, decoded, dtype=block.dtype)
                 else:
-                    d, buf = wire.encode_tensor(key, block, chain)
+                    d, buf = wire.encode_tensor(key, block, chain, rng=self._rng)
                     if isinstance(buf, np.ndarray) and np.may_share_memory(buf, flat):
                         # raw frames go zero-copy: never send the caller's own memory
                         buf = buf.copy()
+                if cnt != 1:
+                    d["cnt"] = cnt      # the shard applies it as cnt gradients (steps of the mean)
                 descs.append(d)
                 bufs.append(buf)
         if not self._credit.acquire(timeout=timeout if timeout is not None else self.timeout):
@@ -512,6 +533,7 @@ class Client:
         except BaseException:
             self._credit.release()
             raise
+        self._residual.update(residuals)    # only now is the push really on its way
         self.stats["pushes"] += 1
         self.stats["push_bytes"] += sum(d["n"] for d in descs)
         self.stats["push_raw_bytes"] += sum(f.nbytes for f in flats.values())
@@ -536,8 +558,8 @@ class Client:
             self._flush_accumulated()
         self._acc_every, self._acc_threshold = every, threshold
 
-    def _accumulate(self, flats: dict, chain: str, acks: int) -> dict:
-        due = {}
+    def _accumulate(self, flats: dict, chain: str, acks: int) -> tuple[dict, dict]:
+        due, counts = {}, {}
         with self._acc_lock:
             for name, flat in flats.items():
                 ent = self._acc.get(name)
@@ -548,9 +570,19 @@ class Client:
                 ent[1] += 1
                 ent[2], ent[3] = chain, acks
                 if self._due(name, ent):
-                    due[name] = self._acc.pop(name)[0]
+                    due[name], counts[name] = self._acc.pop(name)[:2]
             self.stats["accumulated"] += len(flats) - len(due)
-        return due
+        return due, counts
+
+    def _hold_back(self, flats: dict, counts: dict, chain: str, acks: int) -> None:
+        with self._acc_lock:
+            for name, flat in flats.items():
+                ent = self._acc.get(name)
+                if ent is None:
+                    self._acc[name] = [flat, counts[name], chain, acks]
+                else:
+                    ent[0] += flat
+                    ent[1] += counts[name]
 
     def _due(self, name: str, ent: list) -> bool:
         if self._acc_threshold is None:
@@ -567,11 +599,12 @@ class Client:
             held, self._acc = self._acc, {}
         futs = []
         groups: dict[tuple, dict] = {}
-        for name, (flat, _, chain, acks) in held.items():
-            groups.setdefault((chain, acks), {})[name] = flat
-        for (chain, acks), flats in groups.items():
+        for name, (flat, count, chain, acks) in held.items():
+            groups.setdefault((chain, acks), {})[name] = (flat, count)
+        for (chain, acks), items in groups.items():
+            flats = {n: f for n, (f, _) in items.items()}
             futs.append(self._send_push(flats, self._layouts(list(flats)), chain, acks, None,
-                                        None))
+                                        None, {n: c for n, (_, c) in items.items()}))
         return futs
 
     def compression_stats(self) -> dict:

@@ -4,7 +4,7 @@ For each configuration it runs the full demo (a local cluster, 2 asynchronous wo
 digits MLP) and prints one JSON line: final test accuracy, gradient bytes on the wire, their
 ratio to raw float32, and the accuracy gap to the raw run of the same invocation.
 
-Usage: python bench/convergence.py [--seeds 0,1] [--epochs N] [--only raw,topk:0.01]
+Usage: python bench/convergence.py [--seeds 0,1] [--epochs N] [--only "raw;topk:0.01"]
 """
 from __future__ import annotations
 
@@ -36,12 +36,12 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--epochs", type=int, default=None)
-    ap.add_argument("--only", default=None, help="comma-separated config names")
+    ap.add_argument("--only", default=None, help="semicolon-separated config names")
     ap.add_argument("--optimizer", default="momentum", choices=["momentum", "adam"],
                     help="server-side rule (momentum SGD is the usual one under sparsification)")
     a = ap.parse_args(argv)
     seeds = [int(s) for s in a.seeds.split(",")]
-    only = set(a.only.split(",")) if a.only else None
+    only = set(a.only.split(";")) if a.only else None
     raw_acc, raw_bytes = None, None
     for name, chain, ef, acc in CONFIGS:
         if only and name not in only and name != "raw":

@@ -38,6 +38,10 @@ MAX_HEADER_BYTES = 4 << 20        # a header above this is refused before unpack
 MAX_TENSORS = 65536               # tensors in one message
 MAX_TENSOR_BYTES = 1 << 30        # default cap on one decoded tensor (1 GiB)
 MAX_NDIM = 8
+# Per-container limits for header unpacking: a 4 MiB header of millions of empty lists would
+# otherwise cost hundreds of MiB and seconds of the receiver's loop before any check runs.
+_UNPACK_LIMITS = {"max_array_len": 1 << 17, "max_map_len": 1 << 17,
+                  "max_str_len": MAX_HEADER_BYTES, "max_bin_len": MAX_HEADER_BYTES, "max_ext_len": 0}
 
 # Message kinds. Frontend = clients and shards' discovery; backend = shards; events = XPUB.
 HELLO, WELCOME = "hello", "welcome"
@@ -208,7 +212,7 @@ def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:
     if len(buf) > MAX_HEADER_BYTES:
         _bad(Code.BAD_FRAME, f"header of {len(buf)} B above {MAX_HEADER_BYTES} B")
     try:
-        h = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+        h = msgpack.unpackb(buf, raw=False, strict_map_key=True, **_UNPACK_LIMITS)
     except Exception as e:  # msgpack raises several types for garbage
         _bad(Code.BAD_FRAME, f"header is not msgpack: {type(e).__name__}")
     if not isinstance(h, dict):

@@ -132,3 +132,13 @@ def test_cluster_still_serves_after_bad_input(cluster):
     _known_answer(cluster.url, "after_bad")
     st = admin.status(cluster.url)
     assert st["errors"].get("BAD_FRAME", 0) >= 1 and all(s["alive"] for s in st["shards"])
+
+
+def test_header_of_millions_of_containers_is_refused_cheaply():
+    import time
+    from gradbus.codecs.errors import WireError
+    h = msgpack.packb({"v": 1, "kind": "heartbeat", "pad": [[]] * 4_000_000})
+    t = time.perf_counter()
+    with pytest.raises(WireError) as ei:
+        wire.unpack_header(h, wire.FRONTEND_KINDS)
+    assert ei.value.code.value == "BAD_FRAME" and time.perf_counter() - t < 0.5

@@ -49,6 +49,7 @@ class Agent(threading.Thread):
         self.c = client
         self.ctx = client.ctx
         self.cmds: collections.deque = collections.deque()
+        self.wake_pending = False
         self.pipe_in = self.ctx.socket(zmq.PAIR)   # agent side
         self.pipe_in.linger = 0
         addr = f"inproc://gradbus-{client.client_id.hex()}"
@@ -70,7 +71,12 @@ class Agent(threading.Thread):
     # called from user threads (under client._lock)
     def submit(self, cmd) -> None:
         self.cmds.append(cmd)
-        self.pipe_out.send(b"", zmq.NOBLOCK)
+        # Wake the agent only if it has not been woken since it last emptied the queue: it
+        # clears the flag *before* draining, so a command appended while the flag is set is
+        # always drained (saves a socket send per push under load).
+        if not self.wake_pending:
+            self.wake_pending = True
+            self.pipe_out.send(b"", zmq.NOBLOCK)
 
     def open(self, welcome: dict, host: str) -> None:
         c = self.c
@@ -105,6 +111,7 @@ class Agent(threading.Thread):
                             self.pipe_in.recv(zmq.NOBLOCK)
                         except zmq.Again:
                             break
+                self.wake_pending = False
                 while self.cmds:
                     self._command(self.cmds.popleft())
                 now = time.monotonic()
@@ -511,8 +518,10 @@ class Client:
                 else:
                     d, buf = wire.encode_tensor(key, block, chain, rng=self._rng)
                     if isinstance(buf, np.ndarray) and np.may_share_memory(buf, flat):
-                        # raw frames go zero-copy: never send the caller's own memory
-                        buf = buf.copy()
+                        # Never send the caller's own memory: it may change before the agent
+                        # sends. Small frames are copied once, into the message itself.
+                        buf = (zmq.Frame(buf, copy=True) if buf.nbytes < net.COPY_THRESHOLD
+                               else buf.copy())
                 if cnt != 1:
                     d["cnt"] = cnt      # the shard applies it as cnt gradients (steps of the mean)
                 descs.append(d)

@@ -31,9 +31,6 @@ SIZES = {"64K": 64 << 10, "1M": 1 << 20, "4M": 4 << 20, "16M": 16 << 20}
 
 # ----------------------------------------------------------------------------- gradbus
 def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out):
-    import os
-    if os.environ.get("SWITCH"):
-        sys.setswitchinterval(float(os.environ["SWITCH"]))
     import gradbus
     n = nbytes // 4
     with gradbus.connect(url, timeout=60) as c:

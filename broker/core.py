@@ -26,6 +26,8 @@ from gradbus.codecs.partition import (DEFAULT_PARTITIONS, MAX_NAME_LEN, TensorLa
 log = logging.getLogger("gradbus.broker")
 
 FRONT, BACK, PUB = "front", "back", "pub"
+_ACK = "ack"        # internal: (_ACK, client, msg), coalesced into one ACK per client
+ACKED = "acked"     # duplicate-window marker: applied and acknowledged
 
 SHARD_CREDIT = 4                 # batches in flight to one shard before the broker holds back
 MAX_BATCH_BYTES = 64 << 20       # one batch message to a shard carries at most this much tensor data
@@ -220,7 +222,11 @@ class BrokerCore:
         seen = client.seen.get(msg)
         if seen is not None:
             self.counters["duplicates"] += 1
-            return [] if seen == "pending" else [(FRONT, client.identity, seen)]
+            if seen == "pending":
+                return []
+            if seen == ACKED:
+                return [(FRONT, client.identity, [wire.pack(wire.ACK, msg=msg)])]
+            return [(FRONT, client.identity, seen)]
         descs = wire.parse_tensors(h, frames, self.max_tensor_bytes)
         routed = []
         for d, fr in zip(descs, frames):
@@ -570,7 +576,25 @@ class BrokerCore:
                 t = self.catalog.get(name)
                 if t is not None:
                     t.versions[idx] = ver
-        return actions
+        return self._coalesce(actions)
+
+    @staticmethod
+    def _coalesce(actions: list) -> list:
+        """One ACK message per client for every push acknowledged in this step:
+        ``{"msg": first, "msgs": [all]}`` (a send per client, not per push)."""
+        acks: dict[bytes, list[int]] = {}
+        out = []
+        for a in actions:
+            if a[0] == _ACK:
+                acks.setdefault(a[1], []).append(a[2])
+            else:
+                out.append(a)
+        for client, msgs in acks.items():
+            fields = {"msg": msgs[0]}
+            if len(msgs) > 1:
+                fields["msgs"] = msgs
+            out.append((FRONT, client, [wire.pack(wire.ACK, **fields)]))
+        return out
 
     def _settle(self, ref, error) -> list:
         pend = self.pending.get(ref)
@@ -589,7 +613,9 @@ class BrokerCore:
             reply = [wire.error(code, message, msg=pend.msg)]
         elif pend.kind == "push":
             self.counters["pushes_applied"] += 1
-            reply = [wire.pack(wire.ACK, msg=pend.msg)]
+            if client is not None:
+                self._remember(client, pend.msg, ACKED)
+            return [(_ACK, pend.client, pend.msg)]
         else:
             reply = [wire.pack(wire.INIT_OK, msg=pend.msg, **pend.reply)]
         if client is not None:
@@ -615,7 +641,7 @@ class BrokerCore:
         s.snapshots, s.queued_snapshots, s.inflight = [], [], 0
         self.table_version += 1
         actions.append((PUB, self._table_msg()))
-        return actions
+        return self._coalesce(actions)
 
     # ------------------------------------------------------------------ clock
     def on_tick(self, now: float) -> list:

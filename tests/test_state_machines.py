@@ -60,7 +60,12 @@ class Rig:
         self.deliver(self.broker.flush(self.now))
 
     def replies(self, ident):
-        out = [unpack(f[0]) for i, f in self.to_clients if i == ident]
+        """Replies to one client, an ACK for several pushes counted once per push."""
+        out = []
+        for i, f in self.to_clients:
+            if i == ident:
+                h = unpack(f[0])
+                out += [{**h, "msg": m} for m in h["msgs"]] if "msgs" in h else [h]
         self.to_clients = [x for x in self.to_clients if x[0] != ident]
         return out
 
@@ -118,6 +123,8 @@ def test_batching_while_shard_has_no_credit_sums_pushes():
     first = rig.held.pop()
     rig.to_shard("s0", first[2])              # APPLIED returns credit -> next flush
     rig.deliver(rig.broker.flush(rig.now))
+    last = unpack(rig.to_clients[-1][1][0])
+    assert last["kind"] == "ack" and last["msgs"] == [3, 4, 5]   # one ACK for the batch
     batch_sizes = rig.broker.counters["batched_entries"], rig.broker.counters["batches"]
     assert batch_sizes == (5, 3)  # init, 1 push, then 3 pushes in one batch
     assert np.array_equal(rig.shards["s0"].store.blocks["w/0"].value,

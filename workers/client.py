@@ -228,6 +228,14 @@ class Agent(threading.Thread):
             log.warning("broker error: %s %s", h["code"], h["message"])
 
     def _settle(self, h: dict) -> None:
+        msgs = h.get("msgs") if h["kind"] == wire.ACK else None
+        if isinstance(msgs, list) and msgs and all(isinstance(m, int) for m in msgs):
+            for m in msgs:   # one ACK message for several pushes
+                self._settle_one({**h, "msg": m})
+        else:
+            self._settle_one(h)
+
+    def _settle_one(self, h: dict) -> None:
         msg = h["msg"]
         c = self.c
         fut = self.futures.pop(("msg", msg), None)

@@ -322,7 +322,8 @@ def _values_len(coder: str, dt: np.dtype, k: int) -> int:
 
 
 def _as_float32(v: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):    # float64 beyond float32's range becomes inf
+    # float64 beyond float32's range becomes inf; a signalling NaN becomes a quiet one
+    with np.errstate(over="ignore", invalid="ignore"):
         return v.astype(np.float32, copy=False)
 
 
@@ -333,7 +334,7 @@ def _encode_values(v: np.ndarray, coder: str, rng: np.random.Generator) -> list[
     if coder == "fp16":
         if v.dtype == np.float32:
             return [_fp16_encode(v)]
-        with np.errstate(over="ignore"):  # beyond half's range becomes inf
+        with np.errstate(over="ignore", invalid="ignore"):  # beyond half's range: inf
             return [v.astype(np.float16).view(np.uint16)]
     x = _as_float32(v)
     if coder == "bf16":

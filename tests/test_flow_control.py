@@ -50,3 +50,20 @@ def test_stalled_shard_declared_dead_rejoins_after_sigcont(make_cluster):
         assert not st["partitions_down"]       # it came back holding its partitions
         c.push({"w": np.ones(8, np.float32)}).result(10)
         assert np.array_equal(c.pull(["w"], min_version=1)["w"], np.full(8, -1.0, np.float32))
+
+
+def test_byte_window_bounds_large_pushes(make_cluster):
+    cluster = make_cluster(1, shard_args=["--fault-apply-delay", "0.2"])
+    n = 64 * 1024                      # 256 KiB per push
+    with gradbus.connect(cluster.url, window=32, window_bytes=600 * 1024, timeout=20) as c:
+        c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        g = np.ones(n, np.float32)
+        futs = [c.push({"w": g}) for _ in range(2)]           # 512 KiB in flight
+        with pytest.raises(gradbus.BackPressureError, match="B unacknowledged"):
+            c.push({"w": g}, timeout=0.05)                      # a third would pass 600 KiB
+        for f in futs:
+            f.result(20)
+        c.push({"w": g}).result(20)                            # room again
+        assert np.array_equal(c.pull(["w"], min_version=3)["w"], np.full(n, -3.0, np.float32))
+    with gradbus.connect(cluster.url, window_bytes=1024) as c:  # one push above the limit
+        c.push({"w": g}).result(20)                            # still goes, alone

@@ -34,7 +34,8 @@ from .cache import WeightCache
 
 log = logging.getLogger("gradbus.client")
 
-DEFAULT_WINDOW = 32          # unacknowledged pushes per client
+DEFAULT_WINDOW = 32          # unacknowledged pushes per client ...
+DEFAULT_WINDOW_BYTES = 128 << 20   # ... and their bytes (one push may exceed it, alone)
 DEFAULT_TIMEOUT = 30.0       # seconds for init/pull/flush round trips
 EVENTS_RCVHWM = 64
 SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried again, doubling ...
@@ -239,9 +240,8 @@ class Agent(threading.Thread):
         msg = h["msg"]
         c = self.c
         fut = self.futures.pop(("msg", msg), None)
-        if ("credit", msg) in c._credit_held:
-            c._credit_held.discard(("credit", msg))
-            c._credit.release()
+        with c._cond:
+            c._credit_held.pop(msg, None)   # returns the push's credit (waiters are notified below)
         if h["kind"] == wire.ERROR:
             c.stats["push_errors"] += 1
             err = error_from(h["code"], h["message"])
@@ -338,11 +338,12 @@ class Client:
                  window: int = DEFAULT_WINDOW, timeout: float = DEFAULT_TIMEOUT,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, codec: str = "raw",
                  max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, curve_configure=None,
-                 error_feedback: bool = True, seed: int | None = None):
+                 error_feedback: bool = True, seed: int | None = None,
+                 window_bytes: int = DEFAULT_WINDOW_BYTES):
         self.url = url or net.default_broker()
         host, _ = net.split_url(self.url)
-        if window < 1:
-            raise ValueError("window must be >= 1")
+        if window < 1 or window_bytes < 1:
+            raise ValueError("window and window_bytes must be >= 1")
         tcodec.parse_chain(codec)
         if isinstance(client_id, str):
             client_id = client_id.encode()
@@ -359,8 +360,8 @@ class Client:
         self._ids = itertools.count(time.time_ns() // 1000)
         self._lock = threading.Lock()
         self._cond = threading.Condition()
-        self._credit = threading.BoundedSemaphore(window)
-        self._credit_held: set = set()
+        self.window_bytes = window_bytes
+        self._credit_held: dict[int, int] = {}   # msg -> bytes, pushes sent and not yet settled
         self._async_errors: list = []
         self.error_feedback = error_feedback
         self._residual: dict[str, np.ndarray] = {}   # block key -> what lossy codecs left unsent
@@ -534,21 +535,19 @@ class Client:
                     d["cnt"] = cnt      # the shard applies it as cnt gradients (steps of the mean)
                 descs.append(d)
                 bufs.append(buf)
-        if not self._credit.acquire(timeout=timeout if timeout is not None else self.timeout):
-            self.stats["window_full"] += 1
-            raise BackPressureError(f"credit window of {self.window} unacknowledged pushes still "
-                                    f"full after {timeout if timeout is not None else self.timeout}s")
+        nbytes = sum(d["n"] for d in descs)
+        msg = self._take_credit(nbytes, self.timeout if timeout is None else timeout)
         fut: Future = Future()
         extra = {"ver": int(version)} if version is not None else {}
         try:
             with self._lock:
                 self._check_open()
-                msg = next(self._ids)
-                self._credit_held.add(("credit", msg))
                 frames = [wire.pack(wire.PUSH, descs, msg=msg, acks=acks, **extra), *bufs]
                 self.agent.submit(("send", ("msg", msg), frames, fut if acks else None))
         except BaseException:
-            self._credit.release()
+            with self._cond:
+                self._credit_held.pop(msg, None)
+                self._cond.notify_all()
             raise
         self._residual.update(residuals)    # only now is the push really on its way
         self.stats["pushes"] += 1
@@ -557,6 +556,27 @@ class Client:
         if acks == 0:
             fut.set_result(None)
         return fut
+
+    def _take_credit(self, nbytes: int, timeout: float) -> int:
+        """Wait for a slot in the credit window (count and bytes; a push larger than
+        ``window_bytes`` goes alone); returns the push's msg id."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (len(self._credit_held) >= self.window or
+                   (self._credit_held and
+                    sum(self._credit_held.values()) + nbytes > self.window_bytes)):
+                self._check_open()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self.stats["window_full"] += 1
+                    raise BackPressureError(
+                        f"credit window ({len(self._credit_held)} pushes, "
+                        f"{sum(self._credit_held.values())} B unacknowledged; limits "
+                        f"{self.window} pushes, {self.window_bytes} B) still full after {timeout}s")
+                self._cond.wait(min(left, 0.1))
+            msg = next(self._ids)
+            self._credit_held[msg] = nbytes
+            return msg
 
     # -- local accumulation ---------------------------------------------------------------
     def accumulate(self, every: int = 1, threshold: float | None = None) -> None:

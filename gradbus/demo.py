@@ -57,6 +57,7 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
         print(json.dumps({"worker": index, "done": True, "pushes": steps,
                           "push_bytes": c.stats["push_bytes"], "recv_bytes": c.stats["recv_bytes"],
                           "push_raw_bytes": c.stats["push_raw_bytes"],
+                          "cache": dict(c.cache.stats),
                           "seconds": time.perf_counter() - t0}), flush=True)
 
 
@@ -112,6 +113,7 @@ def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str
                 "wire_bytes": int(sum(d["push_bytes"] + d["recv_bytes"] for d in done.values())),
                 "push_bytes": int(sum(d["push_bytes"] for d in done.values())),
                 "push_raw_bytes": int(sum(d["push_raw_bytes"] for d in done.values())),
+                "weight_gaps": int(sum(d["cache"].get("gaps", 0) for d in done.values())),
                 "error_feedback": error_feedback, "accumulate": accumulate,
                 "optimizer": optimizer,
                 "seconds": round(seconds, 2), "workers": workers, "shards": shards,

@@ -16,9 +16,9 @@ import time
 
 import zmq
 
-from gradbus.codecs import net, timing
+from gradbus.codecs import net
 
-from .core import BACK, FRONT, PUB, BrokerCore
+from .core import FRONT, PUB, BrokerCore
 
 log = logging.getLogger("gradbus.broker")
 

@@ -6,11 +6,10 @@ import logging
 import signal
 import sys
 import threading
-import time
 
 import click
 
-from gradbus.codecs import net, timing
+from gradbus.codecs import net
 from gradbus.codecs.errors import GradbusError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS
 
@@ -232,4 +231,4 @@ def worker_cmd(broker_url, index, workers, epochs, codec, seed, error_feedback, 
                          accumulate, optimizer)
 
 
-__all__ = ["main", "timing", "time"]
+__all__ = ["main"]

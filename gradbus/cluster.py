@@ -6,7 +6,6 @@ stop sends SIGTERM, waits, then SIGKILL.
 from __future__ import annotations
 
 import ctypes
-import os
 import signal
 import subprocess
 import sys
@@ -153,4 +152,4 @@ def in_process(shards: int = 2, **kw) -> LocalCluster:
     return LocalCluster(shards, processes=False, **kw)
 
 
-__all__ = ["LocalCluster", "in_process", "os"]
+__all__ = ["LocalCluster", "in_process"]

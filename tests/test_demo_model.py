@@ -1,17 +1,9 @@
 """Tests for gradbus.demo_model (numpy MLP on scikit-learn's digits)."""
 
-import os
-import sys
-
 import numpy as np
 import pytest
 
 pytest.importorskip("sklearn")
-
-# Make the in-repo package importable when the tests are run without installing.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-    sys.path.insert(0, _ROOT)
 
 from gradbus import demo_model as dm  # noqa: E402
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradbus.codecs.partition import TensorLayout, partition_of, split_key
+from gradbus.codecs.partition import TensorLayout, partition_of
 
 UPDATE_BUFFER = 256  # updates kept per partition while its snapshot is in flight
 
@@ -187,4 +187,4 @@ def _frozen(arr: np.ndarray) -> np.ndarray:
     return a
 
 
-__all__ = ["WeightCache", "split_key"]
+__all__ = ["WeightCache"]

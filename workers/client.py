@@ -27,8 +27,7 @@ from gradbus.codecs import net, specs, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError, ClosedError, Code,
                                    GradbusError, ShardUnavailableError, WireError, error_from)
-from gradbus.codecs.partition import (DEFAULT_BLOCK_BYTES, TensorLayout, block_elems_for,
-                                      partition_of)
+from gradbus.codecs.partition import DEFAULT_BLOCK_BYTES, TensorLayout, block_elems_for
 
 from .cache import WeightCache
 
@@ -762,4 +761,4 @@ def connect(url: str | None = None, **kw) -> Client:
     return Client(url, **kw)
 
 
-__all__ = ["Client", "connect", "partition_of", "DEFAULT_WINDOW"]
+__all__ = ["Client", "connect", "DEFAULT_WINDOW", "DEFAULT_WINDOW_BYTES"]

@@ -217,35 +217,52 @@ class BrokerCore:
             ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
             return [self._err(identity, Code.BAD_FIELD, f"{kind}: malformed ({e!r})", **ids)]
 
+    def _replay(self, client: ClientInfo, msg: int) -> list | None:
+        """The answer to a msg id already seen (duplicate suppression), else None."""
+        seen = client.seen.get(msg)
+        if seen is None:
+            return None
+        self.counters["duplicates"] += 1
+        if seen == "pending":
+            return []
+        if seen == ACKED:
+            return [(FRONT, client.identity, [wire.pack(wire.ACK, msg=msg)])]
+        return [(FRONT, client.identity, seen)]
+
+    def _block(self, key: str) -> tuple[Tensor, int]:
+        """The catalog entry and block index of an initialised block key, or UNKNOWN_KEY."""
+        try:
+            name, idx = split_key(key)
+        except ValueError:
+            raise WireError(Code.UNKNOWN_KEY, f"{key!r} is not a block key") from None
+        t = self.catalog.get(name)
+        if t is None or idx >= t.layout.nblocks:
+            raise WireError(Code.UNKNOWN_KEY, f"{key} was never initialised")
+        return t, idx
+
+    def _live_owner(self, key: str, p: int) -> str:
+        """The live shard owning partition p, or SHARD_UNAVAILABLE."""
+        owner = self.owners[p]
+        if p in self.lost or not self._live(owner):
+            raise WireError(Code.SHARD_UNAVAILABLE,
+                            f"{key}: partition {p} has no live shard (owner {owner or 'none'})")
+        return owner
+
     def _push(self, client: ClientInfo, h: dict, frames: list) -> list:
         msg = h["msg"]
-        seen = client.seen.get(msg)
-        if seen is not None:
-            self.counters["duplicates"] += 1
-            if seen == "pending":
-                return []
-            if seen == ACKED:
-                return [(FRONT, client.identity, [wire.pack(wire.ACK, msg=msg)])]
-            return [(FRONT, client.identity, seen)]
+        replay = self._replay(client, msg)
+        if replay is not None:
+            return replay
         descs = wire.parse_tensors(h, frames, self.max_tensor_bytes)
         routed = []
         for d, fr in zip(descs, frames):
-            try:
-                name, idx = split_key(d.key)
-            except ValueError:
-                raise WireError(Code.UNKNOWN_KEY, f"{d.key!r} is not a block key") from None
-            t = self.catalog.get(name)
-            if t is None or idx >= t.layout.nblocks:
-                raise WireError(Code.UNKNOWN_KEY, f"{d.key} was never initialised")
+            t, idx = self._block(d.key)
             start, stop = t.layout.block_range(idx)
             if d.shape != (stop - start,) or d.dtype != t.layout.dtype:
                 raise WireError(Code.BAD_SHAPE, f"{d.key}: gradient {d.dtype}{list(d.shape)} does "
                                                 f"not match {t.layout.dtype}[{stop - start}]")
             p = partition_of(d.key, self.P)
-            if p in self.lost or not self._live(self.owners[p]):
-                raise WireError(Code.SHARD_UNAVAILABLE,
-                                f"{d.key}: partition {p} has no live shard "
-                                f"(owner {self.owners[p] or 'none'})")
+            self._live_owner(d.key, p)
             routed.append((p, d, fr))
         if not routed:
             raise WireError(Code.BAD_REQUEST, "push carries no tensors")
@@ -271,9 +288,9 @@ class BrokerCore:
 
     def _init(self, client: ClientInfo, h: dict, frames: list) -> list:
         msg = h["msg"]
-        seen = client.seen.get(msg)
-        if seen is not None:
-            return [] if seen == "pending" else [(FRONT, client.identity, seen)]
+        replay = self._replay(client, msg)
+        if replay is not None:
+            return replay
         opt = h["opt"]
         specs.optimizer_from_wire(opt)
         descs = wire.parse_tensors(h, frames, self.max_tensor_bytes)
@@ -365,19 +382,8 @@ class BrokerCore:
         for key in h["keys"]:
             if not isinstance(key, str):
                 raise WireError(Code.BAD_FIELD, "snapshot keys must be strings")
-            try:
-                name, idx = split_key(key)
-            except ValueError:
-                raise WireError(Code.UNKNOWN_KEY, f"{key!r} is not a block key") from None
-            t = self.catalog.get(name)
-            if t is None or idx >= t.layout.nblocks:
-                raise WireError(Code.UNKNOWN_KEY, f"{key} was never initialised")
-            p = partition_of(key, self.P)
-            owner = self.owners[p]
-            if p in self.lost or not self._live(owner):
-                raise WireError(Code.SHARD_UNAVAILABLE,
-                                f"{key}: partition {p} has no live shard (owner {owner or 'none'})")
-            by_shard[owner].append(key)
+            self._block(key)
+            by_shard[self._live_owner(key, partition_of(key, self.P))].append(key)
         if not by_shard:
             return [(FRONT, client.identity, [wire.pack(wire.SNAPSHOT_REPLY, req=req, parts=[],
                                                         of=1, missing=[])])]

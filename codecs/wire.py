@@ -254,20 +254,24 @@ def parse_tensors(h: dict, frames, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> 
 def decode_tensor(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BYTES,
                   verify: bool = True) -> np.ndarray:
     """Checksum then decode one frame; the result may be a read-only view of the frame."""
+    return tcodec.decode(_checked(desc, frame, verify), desc.codec, desc.dtype, desc.shape,
+                         max_tensor_bytes)
+
+
+def _checked(desc: TensorDesc, frame, verify: bool):
+    """The frame's buffer, after its checksum was verified (unless ``verify`` is off)."""
     buf = frame.buffer if hasattr(frame, "buffer") else frame
     if verify and checksum(buf) != desc.checksum:
         _bad(Code.BAD_CHECKSUM, f"{desc.key}: checksum mismatch")
-    return tcodec.decode(buf, desc.codec, desc.dtype, desc.shape, max_tensor_bytes)
+    return buf
 
 
 def decode_tensor_sparse(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BYTES,
                          verify: bool = True):
     """Checksum then decode without densifying: ``(indices or None, values)`` (see
     :func:`gradbus.codecs.tensor.decode_sparse`); dense chains give ``(None, flat array)``."""
-    buf = frame.buffer if hasattr(frame, "buffer") else frame
-    if verify and checksum(buf) != desc.checksum:
-        _bad(Code.BAD_CHECKSUM, f"{desc.key}: checksum mismatch")
-    idx, values = tcodec.decode_sparse(buf, desc.codec, desc.dtype, desc.shape, max_tensor_bytes)
+    idx, values = tcodec.decode_sparse(_checked(desc, frame, verify), desc.codec, desc.dtype,
+                                       desc.shape, max_tensor_bytes)
     return idx, values.reshape(-1) if idx is None else values
 
 

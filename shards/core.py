@@ -16,7 +16,7 @@ import logging
 
 import numpy as np
 
-from gradbus.codecs import wire
+from gradbus.codecs import net, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import TensorLayout
 
@@ -48,10 +48,11 @@ class ShardCore:
                       "errors": 0}
 
     # -- entry point -------------------------------------------------------------------------
-    def handle(self, frames: list) -> list[list]:
-        """Handle one message from the broker; return messages to send back."""
+    def handle(self, frames: list, header: dict | None = None) -> list[list]:
+        """Handle one message from the broker; return messages to send back. ``header``: the
+        already unpacked and validated header frame, when the caller has it."""
         try:
-            h = wire.unpack_header(frames[0], wire.SHARD_KINDS)
+            h = header or wire.unpack_header(frames[0], wire.SHARD_KINDS)
             descs = wire.parse_tensors(h, frames[1:], self.max_tensor_bytes)
         except WireError as e:
             self.stats["errors"] += 1
@@ -163,8 +164,9 @@ class ShardCore:
             if self.delta:
                 d, buf = self._encode_delta(blk, seq)
             else:
-                d, buf = wire.encode_tensor(blk.key, self._host_copy(blk.value),
-                                            self.weights_chain, blk.version)
+                host = self.backend.to_host(blk.value)
+                d, buf = wire.encode_tensor(blk.key, host, self.weights_chain, blk.version)
+                buf = net.detach(buf, host)   # the next step writes the block in place
             descs.append(d)
             bufs.append(buf)
         pub = wire.pack(wire.UPDATE, descs, p=p, seq=seq, epoch=epoch)

@@ -92,7 +92,7 @@ class ShardServer:
                         if self.apply_delay:
                             time.sleep(self.apply_delay)
                         try:
-                            outs = self.core.handle(frames)
+                            outs = self.core.handle(frames, head or None)
                         except Exception:   # a bug must not take the shard down
                             log.exception("%s failed handling a %s", self.shard_id, kind)
                             self.core.stats["errors"] += 1

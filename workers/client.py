@@ -256,15 +256,20 @@ class Agent(threading.Thread):
         with c._cond:
             c._cond.notify_all()
 
+    def _blocks(self, h: dict, frames, keep=None) -> list:
+        """Validated, checksummed and decoded ``(key, array, version, base)`` of a message's
+        tensors (only keys in ``keep``, when given)."""
+        descs = wire.parse_tensors(h, frames, self.c.max_tensor_bytes)
+        return [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0, d.base)
+                for d, f in zip(descs, frames) if keep is None or d.key in keep]
+
     def _on_snapshot(self, h: dict, frames) -> None:
         req = h["req"]
         got = self.snap_parts.get(req)
-        descs = wire.parse_tensors(h, frames, self.c.max_tensor_bytes)
-        blocks = [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0,
-                   d.base) for d, f in zip(descs, frames)]
-        parts = {int(p): int(s) for p, s in h["parts"]}
         if got is None:
-            return
+            return   # a late reply to a request already answered or failed: nothing to decode
+        blocks = self._blocks(h, frames)
+        parts = {int(p): int(s) for p, s in h["parts"]}
         got.append((parts, blocks, h.get("missing") or []))
         if len(got) < int(h.get("of", 1)):
             return
@@ -309,17 +314,15 @@ class Agent(threading.Thread):
         if not topic.startswith(b"p"):
             return
         h = wire.unpack_header(frames[1], frozenset({wire.UPDATE}))
-        descs = wire.parse_tensors(h, frames[2:], self.c.max_tensor_bytes)
         part = self.c.cache.parts.get(h["p"])
         if part is None:
             return
-        blocks = [(d.key, wire.decode_tensor(d, f, self.c.max_tensor_bytes), d.version or 0,
-                   d.base) for d, f in zip(descs, frames[2:]) if d.key in part.keys]
+        blocks = self._blocks(h, frames[2:], part.keys)
         with self.c._cond:
             gap = self.c.cache.on_update(h["p"], h["seq"], blocks)
             self.c._cond.notify_all()
         self.c.stats["updates_received"] += 1
-        self.c.stats["recv_bytes"] += sum(d.nbytes for d in descs)
+        self.c.stats["recv_bytes"] += sum(len(f) for f in frames[2:])
         if gap:
             self._snapshot(self.c.cache.resync_keys(h["p"]), None)
 
@@ -525,11 +528,7 @@ class Client:
                     residuals[key] = np.subtract(block, decoded, dtype=block.dtype)
                 else:
                     d, buf = wire.encode_tensor(key, block, chain, rng=self._rng)
-                    if isinstance(buf, np.ndarray) and np.may_share_memory(buf, flat):
-                        # Never send the caller's own memory: it may change before the agent
-                        # sends. Small frames are copied once, into the message itself.
-                        buf = (zmq.Frame(buf, copy=True) if buf.nbytes < net.COPY_THRESHOLD
-                               else buf.copy())
+                    buf = net.detach(buf, flat)   # never send the caller's own memory
                 if cnt != 1:
                     d["cnt"] = cnt      # the shard applies it as cnt gradients (steps of the mean)
                 descs.append(d)

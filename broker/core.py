@@ -14,6 +14,7 @@ Tensor frames are passed through as the objects the loop received (``zmq.Frame``
 from __future__ import annotations
 
 import logging
+import random
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
@@ -35,6 +36,8 @@ MAX_PENDING_BYTES = 512 << 20    # above this the loop stops reading the fronten
 DEDUPE_WINDOW = 100_000          # (client, msg_id) pairs remembered per client
 MAX_BLOCKS_PER_TENSOR = 1 << 20  # an INIT asking for more blocks is refused (TOO_LARGE)
 MAX_PARAM_BYTES = 1 << 40        # one parameter tensor above this is refused (TOO_LARGE)
+MAX_SYNCS = 32                   # partitions catching up on standbys at once
+ALL = wire.ACKS_ALL
 
 
 def _flen(frame) -> int:
@@ -72,6 +75,16 @@ class Pending:
     remaining: int
     error: tuple | None = None     # (code, message)
     reply: dict = field(default_factory=dict)
+    acks: int = 1                  # 1: settled when the primary applied; ALL: every replica
+
+
+@dataclass
+class Batch:
+    """One partition's sequenced batch on its way to the replicas."""
+    refs: list                     # the Pending ref of each entry, in order
+    waiting: set                   # in-sync replicas (at send time) that have not applied it
+    errors: dict | None = None     # entry index -> (code, message), from the first APPLIED
+    primary_done: bool = False
 
 
 @dataclass
@@ -95,10 +108,19 @@ class BrokerCore:
                  heartbeat_interval: float = timing.HEARTBEAT_INTERVAL,
                  liveness: int = timing.LIVENESS,
                  client_liveness: int = timing.CLIENT_LIVENESS,
-                 dedupe_window: int = DEDUPE_WINDOW, now: float = 0.0):
+                 dedupe_window: int = DEDUPE_WINDOW, replicas: int = 1,
+                 fault_drop: float = 0.0, fault_seed: int = 0, now: float = 0.0):
         if not 1 <= partitions <= 65535:
             raise ValueError("partitions must be in 1..65535")
+        if not 1 <= replicas <= 16:
+            raise ValueError("replicas must be in 1..16")
+        if not 0.0 <= fault_drop < 1.0:
+            raise ValueError("fault_drop must be in [0, 1)")
         self.P = partitions
+        self.replicas = replicas
+        # Fault injection (tests): drop this fraction of pushes in and acks out, seeded.
+        self.fault_drop = fault_drop
+        self._fault_rng = random.Random(fault_seed)
         self.shard_credit = shard_credit
         self.max_batch_bytes = max_batch_bytes
         self.max_pending_bytes = max_pending_bytes
@@ -111,7 +133,11 @@ class BrokerCore:
         self.started = now
         self.last_hb_sent = now
 
-        self.owners: list[str | None] = [None] * partitions
+        self.owners: list[str | None] = [None] * partitions      # primaries
+        self.standbys: list[list[str]] = [[] for _ in range(partitions)]  # in-sync standbys
+        self.syncing: dict[int, dict[str, float]] = defaultdict(dict)  # p -> {shard: since}
+        self.pbytes = [0] * partitions                               # parameter bytes per p
+        self.failovers: list[dict] = []                              # the most recent ones
         self.epochs = [0] * partitions
         self.lost: set[int] = set()
         self.table_version = 0
@@ -124,7 +150,7 @@ class BrokerCore:
         self.pending_entries: dict[int, list] = defaultdict(list)   # p -> [(entry, desc, frame, ref)]
         self.pending_bytes = 0
         self.pending: dict[tuple[bytes, int], Pending] = {}
-        self.inflight: dict[tuple[str, int, int], list] = {}         # (shard, p, seq) -> [ref...]
+        self.inflight: dict[tuple[int, int], Batch] = {}             # (p, seq) -> batch
         self.counters: dict[str, int] = defaultdict(int)
         self.errors: dict[str, int] = defaultdict(int)
 
@@ -160,7 +186,15 @@ class BrokerCore:
     def _table_msg(self) -> list:
         return [wire.TOPIC_TABLE, wire.pack(wire.TABLE, version=self.table_version,
                                             owners=[o or "" for o in self.owners],
-                                            epochs=self.epochs, down=self._down())]
+                                            standbys=self.standbys, epochs=self.epochs,
+                                            down=self._down())]
+
+    def _members(self, p: int) -> list[str]:
+        """The in-sync replicas of p: primary first."""
+        return [self.owners[p], *self.standbys[p]] if self.owners[p] else []
+
+    def _holds(self, sid: str, p: int) -> bool:
+        return sid == self.owners[p] or sid in self.standbys[p] or sid in self.syncing.get(p, ())
 
     def _place(self, p: int) -> str | None:
         """Owner of partition p, placing it on the live shard holding fewest bytes if new."""
@@ -170,10 +204,15 @@ class BrokerCore:
         live = [s for s in self.shards.values() if s.alive]
         if not live:
             return None
-        s = min(live, key=lambda s: (s.bytes, len(s.partitions), s.id))
+        live.sort(key=lambda s: (s.bytes, len(s.partitions), s.id))
+        s = live[0]
         self.owners[p] = s.id
         self.epochs[p] = 1
         s.partitions.add(p)
+        # A new partition is empty, so its standbys are in sync from the first batch.
+        for sb in live[1:self.replicas]:
+            self.standbys[p].append(sb.id)
+            sb.partitions.add(p)
         self.table_version += 1
         return s.id
 
@@ -193,10 +232,17 @@ class BrokerCore:
                                                  backend=self.ports["backend"],
                                                  partitions=self.P, down=self._down())])]
         if kind == wire.STATUS:   # ops tools are not workers
-            return [(FRONT, identity, [wire.pack(wire.STATUS_REPLY, req=h["req"],
-                                                 status=self.status(now))])]
+            st = self.status(now)
+            if h.get("table"):
+                st["table"] = self.table()
+            return [(FRONT, identity, [wire.pack(wire.STATUS_REPLY, req=h["req"], status=st)])]
         if kind == wire.BYE:
             self.clients.pop(identity, None)
+            return []
+        if kind == wire.DIGEST:
+            return self._digest(identity, h)
+        if kind == wire.PUSH and self.fault_drop and self._fault_rng.random() < self.fault_drop:
+            self.counters["fault_dropped_pushes"] += 1
             return []
         client = self._client(identity, now)
         try:
@@ -216,6 +262,23 @@ class BrokerCore:
             # a field of an unexpected shape that the schema does not pin down
             ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
             return [self._err(identity, Code.BAD_FIELD, f"{kind}: malformed ({e!r})", **ids)]
+
+    def _digest(self, identity: bytes, h: dict) -> list:
+        """Ask every live shard holding the named partitions (all, by default) for a hash of
+        each partition's state; the replies go straight to the asker (``of`` says how many)."""
+        req, ps = h["req"], h.get("ps")
+        if ps is not None and (not isinstance(ps, list) or not all(
+                isinstance(p, int) and 0 <= p < self.P for p in ps)):
+            return [self._err(identity, Code.BAD_FIELD, "digest: ps must be a list of "
+                                                        "partition numbers", req=req)]
+        targets = [x for x in self.shards.values() if x.alive and (
+            ps is None or any(self._holds(x.id, p) for p in ps))]
+        if not targets:
+            return [(FRONT, identity, [wire.pack(wire.DIGEST_REPLY, req=req, shard="",
+                                                 parts=[], of=1)])]
+        extra = {"ps": ps} if ps is not None else {}
+        msg = wire.pack(wire.DIGEST, req=req, client=identity, of=len(targets), **extra)
+        return [(BACK, x.identity, [msg]) for x in targets]
 
     def _replay(self, client: ClientInfo, msg: int) -> list | None:
         """The answer to a msg id already seen (duplicate suppression), else None."""
@@ -266,8 +329,12 @@ class BrokerCore:
             routed.append((p, d, fr))
         if not routed:
             raise WireError(Code.BAD_REQUEST, "push carries no tensors")
+        acks = h["acks"]
+        if acks not in (0, 1, ALL):
+            raise WireError(Code.BAD_FIELD, f"acks must be 0, 1 or {ALL} (all), not {acks}")
         ref = (client.identity, msg)
-        self.pending[ref] = Pending(client.identity, msg, "push", len(routed))
+        self.pending[ref] = Pending(client.identity, msg, "push", len(routed),
+                                    acks=ALL if acks == ALL else 1)
         self._remember(client, msg, "pending")
         client.pushes += 1
         self.counters["pushes_received"] += 1
@@ -338,8 +405,10 @@ class BrokerCore:
             p = partition_of(key, self.P)
             start, stop = layout.block_range(split_key(key)[1])
             nbytes = (stop - start) * (8 if layout.dtype == "float64" else 4)
-            owner = self._place(p)
-            self.shards[owner].bytes += nbytes
+            self._place(p)
+            self.pbytes[p] += nbytes
+            for sid in (*self._members(p), *self.syncing.get(p, ())):
+                self.shards[sid].bytes += nbytes
             entry = {"op": "init", "key": key, "layout": layout.to_wire(), "rule": rule,
                      "opt": opt}
             self._enqueue(p, entry, g[1] if g else None, g[2] if g else None, ref)
@@ -402,18 +471,33 @@ class BrokerCore:
                                                     tensors=tensors)])]
 
     # ------------------------------------------------------------------ batching
+    def _group(self, p: int) -> tuple:
+        """Who receives p's batches: (primary, in-sync standbys, standbys catching up)."""
+        return (self.owners[p], tuple(self.standbys[p]), tuple(self.syncing.get(p, ())))
+
+    def _can_send(self, group: tuple) -> bool:
+        """Every in-sync replica is alive and has credit (the slowest one paces the partition;
+        a standby catching up only buffers and does not)."""
+        primary, standbys, _ = group
+        for sid in (primary, *standbys):
+            sh = self.shards.get(sid)
+            if sh is None or not sh.alive or sh.inflight >= self.shard_credit:
+                return False
+        return True
+
     def flush(self, now: float) -> list:
-        """Turn pending entries into sequenced batches for every shard that has credit."""
+        """Turn pending entries into sequenced batches: one message per replica group that has
+        credit, the same header and tensor frames to every replica of those partitions."""
         actions = []
         if not self.pending_entries and not any(s.queued_snapshots for s in self.shards.values()):
             return actions
-        per_shard: dict[str, list[int]] = defaultdict(list)
+        groups: dict[tuple, list[int]] = defaultdict(list)
         for p in self.pending_entries:
-            per_shard[self.owners[p]].append(p)
-        for sid, parts in per_shard.items():
-            s = self.shards.get(sid)
-            if s is None or not s.alive or s.inflight >= self.shard_credit:
+            groups[self._group(p)].append(p)
+        for group, parts in groups.items():
+            if not self._can_send(group):
                 continue
+            primary, standbys, catching_up = group
             header_parts, t_list, frames, nbytes = [], [], [], 0
             for p in parts:
                 if nbytes >= self.max_batch_bytes:
@@ -443,13 +527,16 @@ class BrokerCore:
                     ents.append(e)
                     refs.append(ref)
                 header_parts.append({"p": p, "seq": self.seq[p], "epoch": self.epochs[p],
-                                     "e": ents})
-                self.inflight[(sid, p, self.seq[p])] = refs
+                                     "o": primary, "e": ents})
+                self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys})
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
-            s.inflight += 1
             self.counters["batches"] += 1
             self.counters["batched_entries"] += sum(len(x["e"]) for x in header_parts)
-            actions.append((BACK, s.identity, [hdr, *frames]))
+            for sid in (primary, *standbys, *catching_up):
+                sh = self.shards.get(sid)
+                if sh is not None and sh.alive:
+                    sh.inflight += 1
+                    actions.append((BACK, sh.identity, [hdr, *frames]))
         for s in self.shards.values():
             if not s.queued_snapshots or not s.alive:
                 continue
@@ -466,10 +553,9 @@ class BrokerCore:
         return actions
 
     def has_flushable(self) -> bool:
-        """True when flush() would send something now (a live owner with credit is waiting)."""
+        """True when flush() would send something now (every in-sync replica has credit)."""
         for p in self.pending_entries:
-            s = self.shards.get(self.owners[p])
-            if s is not None and s.alive and s.inflight < self.shard_credit:
+            if self._can_send(self._group(p)):
                 return True
         return any(s.alive and any(not self._snapshot_blocked(item[2])
                                    for item in s.queued_snapshots)
@@ -523,6 +609,13 @@ class BrokerCore:
                     pass
                 return [(FRONT, client, frames)]
             return []
+        if kind == wire.DIGEST_REPLY:
+            client = h.get("client")
+            return [(FRONT, client, frames)] if isinstance(client, bytes) else []
+        if kind == wire.STATE:
+            return self._forward_state(s, h, frames)
+        if kind == wire.SYNCED:
+            return self._synced(s, h, now)
         if kind == wire.ERROR:
             self.errors["shard_" + str(h["code"])] += 1
             log.warning("shard %s reports %s: %s", s.id, h["code"], h["message"])
@@ -535,28 +628,48 @@ class BrokerCore:
         sid = h["shard"]
         held = h.get("holds", [])
         if (not sid or len(sid) > 128 or not isinstance(held, list)
-                or not all(isinstance(p, int) and 0 <= p < self.P for p in held)):
+                or not all(isinstance(x, list) and len(x) == 3 and all(isinstance(v, int) for v in x)
+                           and 0 <= x[0] < self.P for x in held)):
             self.errors[Code.BAD_FIELD.value] += 1
-            return [(BACK, identity, [wire.error(Code.BAD_FIELD, "register: bad shard id or holds")])]
+            return [(BACK, identity, [wire.error(Code.BAD_FIELD,
+                                                 "register: bad shard id or holds")])]
+        holds = {p: (epoch, seq) for p, epoch, seq in held}
         s = self.shards.get(sid)
         actions = []
+        drop = []
         if s is None:
             s = self.shards[sid] = ShardInfo(sid, identity, now)
+            drop = sorted(holds)   # nothing of this broker's: stale data from an earlier life
             log.info("shard %s registered", sid)
         else:
-            # A shard that comes back without its partitions lost them (no replica yet).
             if s.alive:
                 actions += self._shard_dead(s, now, "re-registered")
+            for p in sorted(holds):
+                if self.owners[p] == sid and not self._live_elsewhere(p, sid):
+                    continue        # no other copy: it comes back with its data (below)
+                drop.append(p)      # failed over while it was away: fenced
+            # A sole owner that comes back without its partitions lost them.
             for p in list(s.partitions):
-                if p not in held:
+                if self.owners[p] == sid and p not in holds:
                     self.lost.add(p)
+                elif self.owners[p] != sid:
+                    s.partitions.discard(p)
             s.identity, s.alive, s.last_seen, s.inflight = identity, True, now, 0
             log.info("shard %s re-registered", sid)
+        if drop:
+            self.counters["fenced_partitions"] += len(drop)
+            log.warning("shard %s: dropping %d partitions it holds from an older epoch",
+                        sid, len(drop))
         self.by_identity[identity] = sid
         self.table_version += 1
         actions.append((BACK, identity, [wire.pack(wire.REGISTERED, shard=sid, partitions=self.P)]))
+        if drop:
+            actions.append((BACK, identity, [wire.pack(wire.DROP, ps=drop)]))
         actions.append((PUB, self._table_msg()))
         return actions
+
+    def _live_elsewhere(self, p: int, sid: str) -> bool:
+        return any(x != sid and self._live(x) for x in self.standbys[p])
 
     def _applied(self, s: ShardInfo, h: dict, frames: list) -> list:
         actions = []
@@ -564,28 +677,82 @@ class BrokerCore:
         pos = 0
         for part in h["parts"]:
             p, seq, n = part["p"], part["seq"], part["n"]
-            pub = frames[pos:pos + 1 + n]
-            pos += 1 + n
-            actions.append((PUB, [wire.topic_partition(p), *pub]))
-            if seq > self.published_seq.get(p, 0):
-                self.published_seq[p] = seq
-            refs = self.inflight.pop((s.id, p, seq), [])
-            errs = {e[0]: e for e in part.get("errors", [])}
-            for i, ref in enumerate(refs):
-                e = errs.get(i)
-                actions += self._settle(ref, (e[1], e[2]) if e else None)
-            for key, ver in part.get("vers", {}).items():
-                try:
-                    name, idx = split_key(key)
-                except ValueError:
-                    continue
-                t = self.catalog.get(name)
-                if t is not None:
-                    t.versions[idx] = ver
+            pub = frames[pos:pos + 1 + n] if n >= 0 else None
+            pos += 1 + n if n >= 0 else 0
+            primary = s.id == self.owners[p]
+            if not primary and s.id not in self.standbys[p]:
+                if s.id not in self.syncing.get(p, ()):
+                    self.errors[Code.FENCED.value] += 1   # not a replica of p (any more)
+                continue
+            if primary:
+                if pub is not None:
+                    actions.append((PUB, [wire.topic_partition(p), *pub]))
+                # Even unpublished (applied as a standby just before a failover), the seq is
+                # named in heartbeats, so subscribers see they missed it and re-snapshot.
+                if seq > self.published_seq.get(p, 0):
+                    self.published_seq[p] = seq
+                for key, ver in part.get("vers", {}).items():
+                    try:
+                        name, idx = split_key(key)
+                    except ValueError:
+                        continue
+                    t = self.catalog.get(name)
+                    if t is not None:
+                        t.versions[idx] = ver
+            b = self.inflight.get((p, seq))
+            if b is None:
+                continue
+            if b.errors is None:
+                b.errors = {e[0]: (e[1], e[2]) for e in part.get("errors", [])}
+            b.waiting.discard(s.id)
+            actions += self._progress(p, seq, b)
         return self._coalesce(actions)
 
-    @staticmethod
-    def _coalesce(actions: list) -> list:
+    def _progress(self, p: int, seq: int, b: Batch) -> list:
+        """Settle what a batch's replies allow: acks=1 entries once the (current) primary
+        applied it, acks=all entries once every in-sync replica did."""
+        actions = []
+        errors = b.errors or {}
+        if not b.primary_done and self.owners[p] not in b.waiting:
+            b.primary_done = True
+            for i, ref in enumerate(b.refs):
+                pend = self.pending.get(ref)
+                if pend is not None and pend.acks != ALL:
+                    actions += self._settle(ref, errors.get(i))
+        if not b.waiting:
+            del self.inflight[(p, seq)]
+            for i, ref in enumerate(b.refs):
+                pend = self.pending.get(ref)
+                if pend is not None and pend.acks == ALL:
+                    actions += self._settle(ref, errors.get(i))
+        return actions
+
+    def _forward_state(self, s: ShardInfo, h: dict, frames: list) -> list:
+        """A primary's export of partition p for a standby catching up: pass it on."""
+        p, to = h["p"], h["to"]
+        target = self.shards.get(to)
+        if (not 0 <= p < self.P or s.id != self.owners[p] or target is None or not target.alive
+                or to not in self.syncing.get(p, ())):
+            self.counters["states_discarded"] += 1
+            return []
+        self.counters["state_bytes"] += sum(_flen(f) for f in frames[1:])
+        return [(BACK, target.identity, frames)]
+
+    def _synced(self, s: ShardInfo, h: dict, now: float) -> list:
+        p = h["p"]
+        since = self.syncing.get(p, {}).pop(s.id, None) if 0 <= p < self.P else None
+        if since is None:
+            return []
+        if not self.syncing[p]:
+            del self.syncing[p]
+        self.standbys[p].append(s.id)
+        self.counters["standbys_synced"] += 1
+        self.table_version += 1
+        log.info("shard %s in sync for partition %d at seq %d (%.3fs)", s.id, p, h["seq"],
+                 now - since)
+        return [(PUB, self._table_msg())]
+
+    def _coalesce(self, actions: list) -> list:
         """One ACK message per client for every push acknowledged in this step:
         ``{"msg": first, "msgs": [all]}`` (a send per client, not per push)."""
         acks: dict[bytes, list[int]] = {}
@@ -596,6 +763,9 @@ class BrokerCore:
             else:
                 out.append(a)
         for client, msgs in acks.items():
+            if self.fault_drop and self._fault_rng.random() < self.fault_drop:
+                self.counters["fault_dropped_acks"] += len(msgs)
+                continue
             fields = {"msg": msgs[0]}
             if len(msgs) > 1:
                 fields["msgs"] = msgs
@@ -634,20 +804,99 @@ class BrokerCore:
         self.counters["shards_lost"] += 1
         actions = []
         err = (Code.SHARD_UNAVAILABLE.value, f"shard {s.id} died before applying ({why})")
-        for key in [k for k in self.inflight if k[0] == s.id]:
-            for ref in self.inflight.pop(key):
-                actions += self._settle(ref, err)
-        for p in [p for p in self.pending_entries if self.owners[p] == s.id]:
-            for entry, raw, fr, ref in self.pending_entries.pop(p):
-                if fr is not None:
-                    self.pending_bytes -= _flen(fr)
-                actions += self._settle(ref, err)
+        for p in range(self.P):
+            if self.syncing.get(p, {}).pop(s.id, None) is not None:
+                s.partitions.discard(p)
+                s.bytes -= self.pbytes[p]
+                if not self.syncing[p]:
+                    del self.syncing[p]
+            if s.id in self.standbys[p]:
+                self.standbys[p].remove(s.id)
+                s.partitions.discard(p)
+                s.bytes -= self.pbytes[p]
+            if self.owners[p] != s.id:
+                continue
+            new = next((x for x in self.standbys[p] if self._live(x)), None)
+            if new is None:
+                # No copy left: what was in flight or queued for p fails; the partition waits
+                # for this shard to come back (or is lost).
+                actions += self._fail_partition(p, err)
+                continue
+            # Failover: the in-sync standby has every batch the primary was sent, in order.
+            self.standbys[p].remove(new)
+            self.owners[p] = new
+            self.epochs[p] += 1
+            s.partitions.discard(p)
+            s.bytes -= self.pbytes[p]
+            for sid in list(self.syncing.get(p, ())):
+                # its state was to come from the dead primary: start again from the new one
+                del self.syncing[p][sid]
+                sh = self.shards.get(sid)
+                if sh is not None:
+                    sh.partitions.discard(p)
+                    sh.bytes -= self.pbytes[p]
+                if sh is not None and sh.alive:
+                    actions.append((BACK, sh.identity, [wire.pack(wire.DROP, ps=[p])]))
+            self.syncing.pop(p, None)
+            self.counters["failovers"] += 1
+            self.failovers.append({"p": p, "from": s.id, "to": new, "epoch": self.epochs[p],
+                                   "at": now, "silent_s": round(now - s.last_seen, 3)})
+        del self.failovers[:-256]
+        for (p, seq), b in list(self.inflight.items()):
+            if s.id in b.waiting:
+                b.waiting.discard(s.id)
+                actions += self._progress(p, seq, b)
         for client, req in s.snapshots + [(c, r) for c, r, _, _ in s.queued_snapshots]:
             actions.append(self._err(client, Code.SHARD_UNAVAILABLE, err[1], req=req))
         s.snapshots, s.queued_snapshots, s.inflight = [], [], 0
         self.table_version += 1
         actions.append((PUB, self._table_msg()))
         return self._coalesce(actions)
+
+    def _fail_partition(self, p: int, err: tuple) -> list:
+        actions = []
+        for (bp, seq) in [k for k in self.inflight if k[0] == p]:
+            for ref in self.inflight.pop((bp, seq)).refs:
+                actions += self._settle(ref, err)
+        for entry, raw, fr, ref in self.pending_entries.pop(p, []):
+            if fr is not None:
+                self.pending_bytes -= _flen(fr)
+            actions += self._settle(ref, err)
+        return actions
+
+    def _repair(self, now: float) -> list:
+        """Give every partition ``replicas`` copies: start a catch-up on the live shard holding
+        fewest bytes for each partition short of standbys (snapshot at the primary's seq S,
+        then the batches after S, which the new standby receives from now on)."""
+        if self.replicas <= 1:
+            return []
+        live = [x for x in self.shards.values() if x.alive]
+        if len(live) < 2:
+            return []
+        actions = []
+        busy = sum(len(v) for v in self.syncing.values())
+        for p in range(self.P):
+            if busy >= MAX_SYNCS:
+                break
+            owner = self.owners[p]
+            if owner is None or p in self.lost or not self._live(owner):
+                continue
+            have = 1 + len(self.standbys[p]) + len(self.syncing.get(p, ()))
+            while have < self.replicas and busy < MAX_SYNCS:
+                cands = [x for x in live if not self._holds(x.id, p)]
+                if not cands:
+                    break
+                t = min(cands, key=lambda x: (x.bytes, len(x.partitions), x.id))
+                self.syncing[p][t.id] = now
+                t.partitions.add(p)
+                t.bytes += self.pbytes[p]
+                actions.append((BACK, t.identity, [wire.pack(wire.ADOPT, p=p)]))
+                actions.append((BACK, self.shards[owner].identity,
+                                [wire.pack(wire.STATE_REQ, p=p, to=t.id)]))
+                self.counters["syncs_started"] += 1
+                have += 1
+                busy += 1
+        return actions
 
     # ------------------------------------------------------------------ clock
     def on_tick(self, now: float) -> list:
@@ -660,6 +909,7 @@ class BrokerCore:
             if now - c.last_seen > self.hb_interval * self.client_liveness and not any(
                     ref[0] == ident for ref in self.pending):
                 del self.clients[ident]
+        actions += self._repair(now)
         if now - self.last_hb_sent >= self.hb_interval:
             self.last_hb_sent = now
             hb = wire.pack(wire.HEARTBEAT)
@@ -678,7 +928,11 @@ class BrokerCore:
     def status(self, now: float) -> dict:
         shards = []
         for s in sorted(self.shards.values(), key=lambda s: s.id):
+            primary = sum(1 for o in self.owners if o == s.id)
             shards.append({"id": s.id, "alive": s.alive, "partitions": len(s.partitions),
+                           "primary": primary, "standby": sum(
+                               1 for sb in self.standbys if s.id in sb),
+                           "syncing": sum(1 for v in self.syncing.values() if s.id in v),
                            "bytes": s.bytes, "inflight": s.inflight,
                            "last_seen_s": round(now - s.last_seen, 3), "info": s.info})
         workers = [{"id": c.identity.hex(), "pushes": c.pushes,
@@ -691,20 +945,37 @@ class BrokerCore:
         return {"uptime_s": round(now - self.started, 3), "partitions": self.P,
                 "partitions_assigned": sum(1 for o in self.owners if o),
                 "partitions_down": down, "table_version": self.table_version,
+                "replicas": self.replicas,
+                "under_replicated": sum(1 for p, o in enumerate(self.owners) if o and 1 + len(
+                    self.standbys[p]) < self.replicas),
+                "failovers": self.failovers[-20:],
                 "shards": shards, "workers": workers, "tensors": tensors,
                 "pending_bytes": self.pending_bytes, "counters": dict(self.counters),
                 "errors": dict(self.errors)}
+
+    def table(self) -> dict:
+        """The partition table: per partition its primary, in-sync standbys, standbys catching
+        up, epoch and last seq."""
+        return {"owners": [o or "" for o in self.owners], "standbys": self.standbys,
+                "syncing": [sorted(self.syncing.get(p, ())) for p in range(self.P)],
+                "epochs": self.epochs, "seqs": self.seq, "down": self._down(),
+                "version": self.table_version}
 
     def validate_state(self) -> None:
         """Invariants, for tests: raises AssertionError-free RuntimeError when broken."""
         problems = []
         if self.pending_bytes < 0:
             problems.append(f"pending_bytes {self.pending_bytes} < 0")
-        for (sid, p, seq) in self.inflight:
-            if self.owners[p] != sid:
-                problems.append(f"in-flight batch {p}/{seq} on {sid} but owner is {self.owners[p]}")
+        for (p, seq), b in self.inflight.items():
+            if not b.waiting:
+                problems.append(f"in-flight batch {p}/{seq} waits for nobody")
         for p, o in enumerate(self.owners):
             if o is not None and o not in self.shards:
                 problems.append(f"partition {p} owned by unknown shard {o}")
+            reps = [o, *self.standbys[p], *self.syncing.get(p, ())]
+            if o is not None and len(set(reps)) != len(reps):
+                problems.append(f"partition {p} has a shard twice among its replicas: {reps}")
+            if o is None and (self.standbys[p] or self.syncing.get(p)):
+                problems.append(f"partition {p} has standbys but no primary")
         if problems:
             raise RuntimeError("; ".join(problems))

@@ -26,6 +26,8 @@ class Code(str, enum.Enum):
     BAD_REQUEST = "BAD_REQUEST"            # well-formed but not acceptable
     NOT_REGISTERED = "NOT_REGISTERED"      # a shard spoke before registering (or after being
                                            # declared dead): it must send REGISTER again
+    FENCED = "FENCED"                      # a shard spoke for a partition it no longer holds
+                                           # (failed over while it was away): refused, counted
     INTERNAL = "INTERNAL"                  # a bug: the receiver failed handling a valid message
 
 

@@ -54,6 +54,11 @@ HEARTBEAT, BYE, ERROR = "heartbeat", "bye", "error"
 REGISTER, REGISTERED = "register", "registered"
 BATCH, APPLIED = "batch", "applied"
 UPDATE, TABLE = "update", "table"
+# replication: catch-up of a standby, fencing, state digests
+ADOPT, STATE_REQ, STATE, SYNCED = "adopt", "state_req", "state", "synced"
+DROP, DIGEST, DIGEST_REPLY = "drop", "digest", "digest_reply"
+
+ACKS_ALL = -1                     # the wire value of acks="all"
 
 _INT = (int,)
 _STR = (str,)
@@ -83,14 +88,25 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     BATCH: {"parts": (_LIST, True)},
     APPLIED: {"parts": (_LIST, True)},
     UPDATE: {"p": (_INT, True), "seq": (_INT, True), "epoch": (_INT, True)},
+    ADOPT: {"p": (_INT, True)},
+    STATE_REQ: {"p": (_INT, True), "to": (_STR, True)},
+    STATE: {"p": (_INT, True), "to": (_STR, True), "seq": (_INT, True), "epoch": (_INT, True),
+            "blocks": (_LIST, True)},
+    SYNCED: {"p": (_INT, True), "seq": (_INT, True)},
+    DROP: {"ps": (_LIST, True)},
+    DIGEST: {"req": (_INT, True)},
+    DIGEST_REPLY: {"req": (_INT, True), "shard": (_STR, True), "parts": (_LIST, True)},
     TABLE: {"version": (_INT, True), "owners": (_LIST, True)},
 }
 
-FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, CATALOG, STATUS, HEARTBEAT, BYE})
-BACKEND_KINDS = frozenset({REGISTER, HEARTBEAT, APPLIED, SNAPSHOT_REPLY, ERROR, BYE})
-SHARD_KINDS = frozenset({REGISTERED, HEARTBEAT, BATCH, SNAPSHOT, ERROR})
+FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, CATALOG, STATUS, DIGEST, HEARTBEAT,
+                            BYE})
+BACKEND_KINDS = frozenset({REGISTER, HEARTBEAT, APPLIED, SNAPSHOT_REPLY, STATE, SYNCED,
+                           DIGEST_REPLY, ERROR, BYE})
+SHARD_KINDS = frozenset({REGISTERED, HEARTBEAT, BATCH, SNAPSHOT, ADOPT, STATE_REQ, STATE, DROP,
+                         DIGEST, ERROR})
 CLIENT_KINDS = frozenset({WELCOME, INIT_OK, ACK, SNAPSHOT_REPLY, CATALOG_REPLY, STATUS_REPLY,
-                          ERROR, UPDATE, TABLE, HEARTBEAT})
+                          DIGEST_REPLY, ERROR, UPDATE, TABLE, HEARTBEAT})
 
 
 def checksum(buf) -> int:

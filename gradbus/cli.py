@@ -9,13 +9,27 @@ import threading
 
 import click
 
-from gradbus.codecs import net
+from gradbus.codecs import net, timing
 from gradbus.codecs.errors import GradbusError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS
 
 broker_option = click.option(
     "--broker", "broker_url", default=net.default_broker, show_default="$GRADBUS_BROKER or "
     + net.DEFAULT_BROKER, help="The broker's client URL.")
+
+
+replicas_option = click.option(
+    "--replicas", default=1, show_default=True, type=click.IntRange(1, 16),
+    help="Copies of every partition: a primary and replicas-1 hot standbys on other shards.")
+
+
+def heartbeat_options(f):
+    f = click.option("--liveness", default=timing.LIVENESS, show_default=True,
+                     type=click.IntRange(2, 100),
+                     help="Heartbeat intervals of silence before a peer is declared dead.")(f)
+    return click.option("--heartbeat-interval", default=timing.HEARTBEAT_INTERVAL,
+                        show_default=True, type=click.FloatRange(0.01, 60),
+                        help="Seconds between heartbeats (broker and shards must agree).")(f)
 
 
 def _logging(verbose: int) -> None:
@@ -52,16 +66,24 @@ def main() -> None:
               help="Batches in flight to one shard.")
 @click.option("--max-pending-mb", default=512, show_default=True, type=click.IntRange(1),
               help="Queued tensor MiB above which the broker stops reading clients.")
+@replicas_option
+@heartbeat_options
+@click.option("--fault-drop", default=0.0, type=click.FloatRange(0, 0.5), hidden=True,
+              help="Testing: drop this fraction of pushes in and acks out (seeded).")
+@click.option("--fault-seed", default=0, type=int, hidden=True)
 @click.option("-v", "--verbose", count=True)
 def broker(host, port, backend_port, events_port, partitions, batch_window, shard_credit,
-           max_pending_mb, verbose):
+           max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
+           verbose):
     """Run a broker in the foreground. Prints 'listening: URL' when bound."""
     _logging(verbose)
     from gradbus.broker.server import BrokerServer
     try:
         srv = BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
                            partitions=partitions, batch_window=batch_window,
-                           shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20)
+                           shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20,
+                           replicas=replicas, heartbeat_interval=heartbeat_interval,
+                           liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed)
     except Exception as e:
         raise click.ClickException(f"cannot start broker: {e}")
     _on_signals(srv.stop)
@@ -80,14 +102,17 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
               show_default=True, help="What to do with a gradient holding NaN or Inf.")
 @click.option("--fault-apply-delay", default=0.0, type=click.FloatRange(0, 10), hidden=True,
               help="Testing: sleep this long before each batch or snapshot (a slow shard).")
+@heartbeat_options
 @click.option("-v", "--verbose", count=True)
-def shard(broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay, verbose):
+def shard(broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay, heartbeat_interval,
+          liveness, verbose):
     """Run a shard in the foreground; it needs only the broker's client URL."""
     _logging(verbose)
     from gradbus.shards.server import ShardServer
     try:
         srv = ShardServer(broker_url, shard_id, weights_codec=weights_codec, nan_policy=nan_policy,
-                          apply_delay=fault_apply_delay)
+                          apply_delay=fault_apply_delay, heartbeat_interval=heartbeat_interval,
+                          liveness=liveness)
     except GradbusError as e:
         raise click.ClickException(str(e))
     _on_signals(srv.stop)
@@ -104,12 +129,17 @@ def shard(broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay, ve
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--partitions", default=DEFAULT_PARTITIONS, show_default=True,
               type=click.IntRange(1, 65535))
-def up(shards, port, host, partitions):
+@replicas_option
+def up(shards, port, host, partitions, replicas):
     """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM."""
     from gradbus.cluster import LocalCluster
     stop = threading.Event()
     _on_signals(stop.set)
-    cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False)
+    if replicas > shards:
+        raise click.BadParameter(f"{replicas} replicas need at least as many shards "
+                                 f"(--shards {shards})", param_hint="--replicas")
+    cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False,
+                           broker_args=["--replicas", str(replicas)])
     try:
         cluster.start()
     except GradbusError as e:
@@ -229,6 +259,7 @@ def worker_cmd(broker_url, index, workers, epochs, codec, seed, error_feedback, 
     from gradbus import demo as demo_mod
     demo_mod.worker_main(broker_url, index, workers, epochs, codec, seed, error_feedback,
                          accumulate, optimizer)
+
 
 
 __all__ = ["main"]

@@ -29,10 +29,11 @@ class LocalCluster:
     def __init__(self, shards: int = 2, *, port: int = 0, host: str = "127.0.0.1",
                  partitions: int = 256, processes: bool = True, ready_timeout: float = 60.0,
                  broker_args: list[str] | None = None, shard_args: list[str] | None = None,
-                 quiet: bool = True):
+                 quiet: bool = True, replicas: int = 1):
         if shards < 1:
             raise ValueError("a cluster needs at least one shard")
         self.n_shards = shards
+        self.replicas = replicas
         self.host, self.port, self.partitions = host, port, partitions
         self.processes = processes
         self.ready_timeout = ready_timeout
@@ -58,7 +59,8 @@ class LocalCluster:
             if self.processes:
                 self.broker_proc = self._spawn(
                     ["broker", "--host", self.host, "--port", str(self.port),
-                     "--partitions", str(self.partitions), *self.broker_args])
+                     "--partitions", str(self.partitions), "--replicas", str(self.replicas),
+                     *self.broker_args])
                 line = self.broker_proc.stdout.readline().strip()
                 if not line.startswith("listening: "):
                     raise GradbusError(f"broker failed to start (said {line!r})")
@@ -67,7 +69,8 @@ class LocalCluster:
                     self.add_shard(f"shard-{i}")
             else:
                 from gradbus.broker.server import BrokerServer
-                self.broker = BrokerServer(self.host, self.port, partitions=self.partitions)
+                self.broker = BrokerServer(self.host, self.port, partitions=self.partitions,
+                                           replicas=self.replicas)
                 self.threads.append(self.broker.start_thread())
                 self.url = self.broker.url
                 for i in range(self.n_shards):

@@ -44,8 +44,11 @@ class ShardCore:
         self.nan_policy = nan_policy
         self._scratch: dict[str, np.ndarray] = {}
         self._accs: dict[str, np.ndarray] = {}
+        # Partitions this shard is catching up on (ADOPT seen, STATE not yet): batch parts for
+        # them are kept, in order, and applied after the state is installed.
+        self.installing: dict[int, list] = {}
         self.stats = {"batches": 0, "pushes_applied": 0, "pushes_refused": 0, "snapshots": 0,
-                      "errors": 0}
+                      "errors": 0, "syncs": 0, "states_sent": 0, "dropped": 0}
 
     # -- entry point -------------------------------------------------------------------------
     def handle(self, frames: list, header: dict | None = None) -> list[list]:
@@ -63,6 +66,23 @@ class ShardCore:
             return [self._batch(h, descs, frames[1:])]
         if kind == wire.SNAPSHOT:
             return [self._snapshot(h)]
+        if kind == wire.ADOPT:
+            self.installing[int(h["p"])] = []
+            return []
+        if kind == wire.STATE_REQ:
+            return [self._export(int(h["p"]), h["to"])]
+        if kind == wire.STATE:
+            return self._install(h, descs, frames[1:])
+        if kind == wire.DROP:
+            for p in h["ps"]:
+                if isinstance(p, int):
+                    self.installing.pop(p, None)
+                    for key in self.store.drop(p):
+                        self._accs.pop(key, None)
+                    self.stats["dropped"] += 1
+            return []
+        if kind == wire.DIGEST:
+            return [self._digest_reply(h)]
         return []  # REGISTERED / HEARTBEAT / ERROR are the loop's business
 
     # -- batches -----------------------------------------------------------------------------
@@ -82,6 +102,10 @@ class ShardCore:
     def _batch(self, h: dict, descs, frames) -> list:
         out_parts, tail = [], []
         for part in h["parts"]:
+            held = self.installing.get(int(part["p"]))
+            if held is not None:   # catching up: apply after the state arrives
+                held.append((part, descs, frames))
+                continue
             res, pub = self._apply_part(part, descs, frames)
             out_parts.append(res)
             tail.extend(pub)
@@ -90,12 +114,13 @@ class ShardCore:
 
     def _apply_part(self, part, descs, frames):
         p, seq, epoch = int(part["p"]), int(part["seq"]), int(part["epoch"])
+        publish = part.get("o", self.shard_id) == self.shard_id
         pst = self.store.partition(p)
         errors: list = []
         changed: dict[str, object] = {}
         if seq <= pst.seq and epoch <= pst.epoch:
             # Re-delivery of a batch already applied: apply nothing, report success again.
-            return self._result(p, seq, epoch, errors, {}, duplicate=True)
+            return self._result(p, seq, epoch, errors, {}, duplicate=True, publish=publish)
         pst.seq, pst.epoch = seq, max(epoch, pst.epoch)
         sums: dict[str, list] = {}
         for idx, ent in enumerate(part["e"]):
@@ -156,9 +181,16 @@ class ShardCore:
         applied = sum(len(g) for g in sums.values())
         self.stats["pushes_applied"] += applied
         self.stats["pushes_refused"] += sum(1 for e in errors)
-        return self._result(p, seq, epoch, errors, changed)
+        return self._result(p, seq, epoch, errors, changed, publish=publish)
 
-    def _result(self, p, seq, epoch, errors, changed, duplicate=False):
+    def _result(self, p, seq, epoch, errors, changed, duplicate=False, publish=True):
+        vers = {blk.key: blk.version for blk in changed.values()}
+        res = {"p": p, "seq": seq, "epoch": epoch, "errors": errors, "vers": vers}
+        if duplicate:
+            res["dup"] = True
+        if not publish:   # a standby applies, the primary publishes
+            res["n"] = -1
+            return res, []
         descs, bufs = [], []
         for blk in changed.values():
             if self.delta:
@@ -170,10 +202,7 @@ class ShardCore:
             descs.append(d)
             bufs.append(buf)
         pub = wire.pack(wire.UPDATE, descs, p=p, seq=seq, epoch=epoch)
-        res = {"p": p, "seq": seq, "epoch": epoch, "errors": errors, "n": len(bufs),
-               "vers": {d["k"]: d["ver"] for d in descs}}
-        if duplicate:
-            res["dup"] = True
+        res["n"] = len(bufs)
         return res, [pub, *bufs]
 
     def _encode_delta(self, blk, seq: int):
@@ -219,6 +248,84 @@ class ShardCore:
         fields = {k: h[k] for k in ("req", "client", "of") if k in h}
         return [wire.pack(wire.SNAPSHOT_REPLY, descs, parts=sorted(parts.items()), missing=missing,
                           **fields), *bufs]
+
+    # -- replication: a standby's catch-up ----------------------------------------------------
+    def _export(self, p: int, to: str) -> list:
+        """The whole state of partition ``p`` (values, optimizer state, versions, seq) for the
+        standby ``to``: installed there, it equals this shard's state as of this seq."""
+        pst = self.store.partition(p)
+        metas, descs, bufs = [], [], []
+        for key in sorted(pst.keys):
+            blk = self.store.blocks[key]
+            arrays = sorted(k for k, v in blk.state.items() if not isinstance(v, (int, float)))
+            scalars = {k: v for k, v in blk.state.items() if isinstance(v, (int, float))}
+            metas.append({"key": key, "layout": blk.layout.to_wire(), "opt": blk.opt,
+                          "version": blk.version, "arrays": arrays, "scalars": scalars})
+            for name, arr in [("", blk.value)] + [(a, blk.state[a]) for a in arrays]:
+                d, buf = wire.encode_tensor(key, self._host_copy(arr), "raw")
+                descs.append(d)
+                bufs.append(buf)
+        self.stats["states_sent"] += 1
+        return [wire.pack(wire.STATE, descs, p=p, to=to, seq=pst.seq, epoch=pst.epoch,
+                          blocks=metas), *bufs]
+
+    def _install(self, h: dict, descs, frames) -> list:
+        """Replace partition ``p`` with the state a primary exported at seq S, then apply the
+        batches held back since ADOPT (those after S); answer SYNCED."""
+        p, seq, epoch = int(h["p"]), int(h["seq"]), int(h["epoch"])
+        held = self.installing.pop(p, None)
+        if held is None:
+            log.warning("state for partition %d that was not adopted: ignored", p)
+            return []
+        for key in self.store.drop(p):
+            self._accs.pop(key, None)
+        pst = self.store.partition(p)
+        pos = 0
+        for meta in h["blocks"]:
+            layout = TensorLayout.from_wire(meta["layout"])
+            n = 1 + len(meta["arrays"])
+            arrs = [wire.decode_tensor(d, f, self.max_tensor_bytes)
+                    for d, f in zip(descs[pos:pos + n], frames[pos:pos + n])]
+            pos += n
+            blk, _ = self.store.create(meta["key"], p, layout, {"name": "given"}, meta["opt"],
+                                       arrs[0])
+            for name, arr in zip(meta["arrays"], arrs[1:]):
+                blk.state[name][...] = self.backend.asarray(arr)
+            blk.state.update(meta["scalars"])
+            blk.version = int(meta["version"])
+        pst.seq, pst.epoch = seq, epoch
+        for part, bdescs, bframes in held:
+            if int(part["seq"]) > seq:
+                self._apply_part(part, bdescs, bframes)
+        self.stats["syncs"] += 1
+        return [[wire.pack(wire.SYNCED, p=p, seq=pst.seq)]]
+
+    def partition_digest(self, p: int) -> str:
+        """A hash of partition ``p``: every block's value, version and optimizer state."""
+        import xxhash
+        hsh = xxhash.xxh3_64()
+        pst = self.store.partitions.get(p)
+        for key in sorted(pst.keys if pst else ()):
+            blk = self.store.blocks[key]
+            hsh.update(key.encode())
+            hsh.update(blk.version.to_bytes(8, "little"))
+            hsh.update(self.backend.to_host(blk.value).tobytes())
+            for name in sorted(blk.state):
+                v = blk.state[name]
+                hsh.update(name.encode())
+                hsh.update(repr(v).encode() if isinstance(v, (int, float))
+                           else self.backend.to_host(v).tobytes())
+        return hsh.hexdigest()
+
+    def _digest_reply(self, h: dict) -> list:
+        ps = h.get("ps")
+        ps = sorted(self.store.partitions) if not isinstance(ps, list) else [
+            p for p in ps if isinstance(p, int) and p in self.store.partitions]
+        parts = [[p, self.store.partitions[p].seq, self.partition_digest(p)] for p in ps
+                 if p not in self.installing]
+        fields = {k: h[k] for k in ("client", "of") if k in h}
+        return [wire.pack(wire.DIGEST_REPLY, req=h["req"], shard=self.shard_id, parts=parts,
+                          **fields)]
 
     # -- introspection -----------------------------------------------------------------------
     def info(self) -> dict:

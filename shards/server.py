@@ -55,8 +55,10 @@ class ShardServer:
 
     def _register(self) -> None:
         self._registered_at = self.clock()
+        st = self.core.store.partitions
         self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id,
-                                 holds=sorted(self.core.store.partitions)))
+                                 holds=[[p, st[p].epoch, st[p].seq] for p in sorted(st)
+                                        if p not in self.core.installing]))
 
     def run(self) -> None:
         try:

@@ -23,6 +23,7 @@ class Block:
     p: int = 0                   # partition
     published: np.ndarray | None = None  # delta weights: what subscribers hold (host memory)
     pub_seq: int | None = None           # ... as of the partition seq of that publish
+    opt: dict | None = None              # the optimizer's wire form (for replication)
 
     @property
     def nbytes(self) -> int:
@@ -84,10 +85,18 @@ class ParameterStore:
         value = self.backend.asarray(initial_values(layout, index, rule, given))
         optimizer = make_rule(specs.optimizer_from_wire(opt), self.backend)
         blk = Block(key, layout, index, value, optimizer,
-                    optimizer.state(value.size, value.dtype), 0, p)
+                    optimizer.state(value.size, value.dtype), 0, p, opt=opt)
         self.blocks[key] = blk
         self.partition(p).keys.add(key)
         return blk, True
+
+    def drop(self, p: int) -> list[str]:
+        """Forget partition ``p`` and its blocks; returns the keys dropped."""
+        st = self.partitions.pop(p, None)
+        keys = sorted(st.keys) if st else []
+        for key in keys:
+            self.blocks.pop(key, None)
+        return keys
 
     @property
     def nbytes(self) -> int:

@@ -39,6 +39,8 @@ DEFAULT_TIMEOUT = 30.0       # seconds for init/pull/flush round trips
 EVENTS_RCVHWM = 64
 SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried again, doubling ...
 SNAPSHOT_RETRY_MAX = 30.0    # ... up to this
+RESEND_AFTER = 5.0           # seconds before an unacknowledged push or init is sent again,
+RESEND_MAX = 60.0            # ... doubling per try up to this (the broker applies it once)
 
 
 class Agent(threading.Thread):
@@ -64,6 +66,9 @@ class Agent(threading.Thread):
         self.internal: dict[int, list[str]] = {}   # req -> keys of a re-snapshot with no waiter
         self.retries: list = []                      # (when, keys) re-snapshots to try again
         self.retry_count: dict[str, int] = {}         # first key -> failed attempts in a row
+        # msg -> [frames, when to resend, tries]: pushes and inits sent and not yet settled.
+        # The broker's (client, msg) window makes a resend apply once (idempotent producer).
+        self.unacked: collections.OrderedDict = collections.OrderedDict()
         self.last_heard = time.monotonic()
         self.stop_flag = False
         self.error: BaseException | None = None
@@ -129,6 +134,8 @@ class Agent(threading.Thread):
                 if self.retries and self.retries[0][0] <= now:
                     _, keys = self.retries.pop(0)
                     self._snapshot(keys, None)
+                if self.unacked and self.c.resend_after:
+                    self._resend(now)
                 if now - last_hb >= timing.HEARTBEAT_INTERVAL:
                     self.dealer.send(hb)
                     last_hb = now
@@ -172,6 +179,8 @@ class Agent(threading.Thread):
             _, fid, frames, fut = cmd
             if fut is not None:
                 self.futures[fid] = fut
+            if fid[0] == "msg" and self.c.resend_after:
+                self.unacked[fid[1]] = [frames, time.monotonic() + self.c.resend_after, 0]
             self.dealer.send_multipart(frames, copy=False)
         elif op == "track":            # ("track", [layouts], future)
             _, layouts, fut = cmd
@@ -187,6 +196,19 @@ class Agent(threading.Thread):
             self._snapshot(keys, fut)
         elif op == "stop":
             self.stop_flag = True
+
+    def _resend(self, now: float) -> None:
+        """Send again what has waited past its resend time (oldest first; the order of
+        ``unacked`` is the order of resend times, as each resend moves to the end)."""
+        while self.unacked:
+            msg, ent = next(iter(self.unacked.items()))
+            if ent[1] > now:
+                return
+            ent[2] += 1
+            ent[1] = now + min(self.c.resend_after * 2 ** ent[2], RESEND_MAX)
+            self.unacked.move_to_end(msg)
+            self.c.stats["resends"] += 1
+            self.dealer.send_multipart(ent[0], copy=False)
 
     def _snapshot(self, keys: list[str], fut: Future | None) -> None:
         req = next(self.c._ids)
@@ -238,6 +260,7 @@ class Agent(threading.Thread):
     def _settle_one(self, h: dict) -> None:
         msg = h["msg"]
         c = self.c
+        self.unacked.pop(msg, None)
         fut = self.futures.pop(("msg", msg), None)
         with c._cond:
             c._credit_held.pop(msg, None)   # returns the push's credit (waiters are notified below)
@@ -341,7 +364,8 @@ class Client:
                  block_bytes: int = DEFAULT_BLOCK_BYTES, codec: str = "raw",
                  max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, curve_configure=None,
                  error_feedback: bool = True, seed: int | None = None,
-                 window_bytes: int = DEFAULT_WINDOW_BYTES):
+                 window_bytes: int = DEFAULT_WINDOW_BYTES,
+                 resend_after: float | None = RESEND_AFTER):
         self.url = url or net.default_broker()
         host, _ = net.split_url(self.url)
         if window < 1 or window_bytes < 1:
@@ -350,7 +374,10 @@ class Client:
         if isinstance(client_id, str):
             client_id = client_id.encode()
         self.client_id = client_id or uuid.uuid4().bytes
+        if resend_after is not None and resend_after <= 0:
+            raise ValueError("resend_after must be positive (or None: never resend)")
         self.window = window
+        self.resend_after = resend_after
         self.timeout = timeout
         self.block_bytes = block_bytes
         self.codec = codec
@@ -468,7 +495,7 @@ class Client:
         fut.result(timeout or self.timeout)
         return self.pull(list(tensors), timeout=timeout)
 
-    def push(self, grads: dict, codec: str | None = None, acks: int = 1,
+    def push(self, grads: dict, codec: str | None = None, acks: int | str = 1,
              version: int | None = None, timeout: float | None = None) -> Future:
         """Send gradients; returns a Future at once (resolved on ack, or at send for acks=0).
 
@@ -479,8 +506,10 @@ class Client:
         accumulation on (:meth:`accumulate`), gradients are summed here and sent only when a
         key is due; the Future then covers the keys sent by this call (None if none were).
         """
-        if acks not in (0, 1):
-            raise ValueError("acks must be 0 or 1 (acks='all' needs replicas)")
+        if acks == "all":
+            acks = wire.ACKS_ALL
+        elif acks not in (0, 1):
+            raise ValueError(f"acks must be 0, 1 or 'all', not {acks!r}")
         chain = codec or self.codec
         tcodec.parse_chain(chain)
         if not isinstance(grads, dict) or not grads:

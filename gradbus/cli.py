@@ -9,6 +9,7 @@ import threading
 
 import click
 
+from gradbus import config
 from gradbus.codecs import net, timing
 from gradbus.codecs.errors import GradbusError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS
@@ -50,6 +51,7 @@ def main() -> None:
     """gradbus: an asynchronous parameter server over a ZeroMQ broker."""
 
 
+@config.config_option
 @main.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535),
@@ -92,6 +94,7 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
     srv.run()
 
 
+@config.config_option
 @main.command()
 @broker_option
 @click.option("--id", "shard_id", default=None, help="Shard id (default: a random one).")
@@ -122,6 +125,7 @@ def shard(broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay, he
         raise click.ClickException(str(e))
 
 
+@config.config_option
 @main.command()
 @click.option("--shards", default=2, show_default=True, type=click.IntRange(1, 64))
 @click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535),
@@ -135,11 +139,12 @@ def up(shards, port, host, partitions, replicas):
     from gradbus.cluster import LocalCluster
     stop = threading.Event()
     _on_signals(stop.set)
+    forward = config.forward_args(click.get_current_context())   # children read the same file
     if replicas > shards:
         raise click.BadParameter(f"{replicas} replicas need at least as many shards "
                                  f"(--shards {shards})", param_hint="--replicas")
     cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False,
-                           broker_args=["--replicas", str(replicas)])
+                           replicas=replicas, broker_args=forward, shard_args=forward)
     try:
         cluster.start()
     except GradbusError as e:
@@ -168,6 +173,7 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
+@config.config_option
 @main.command()
 @broker_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
@@ -207,6 +213,7 @@ def status(broker_url, as_json, timeout):
                    f"{t['version']:>9}  {t['optimizer']}")
 
 
+@config.config_option
 @main.command()
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 16))
 @click.option("--shards", default=2, show_default=True, type=click.IntRange(1, 16))
@@ -243,6 +250,7 @@ def demo(workers, shards, epochs, codec, broker_url, as_json, seed, error_feedba
         click.echo(demo_mod.format_summary(summary))
 
 
+@config.config_option
 @main.command("worker", hidden=True)
 @broker_option
 @click.option("--index", default=0, type=int)
@@ -261,5 +269,6 @@ def worker_cmd(broker_url, index, workers, epochs, codec, seed, error_feedback, 
                          accumulate, optimizer)
 
 
+main.add_command(config.config_group)
 
 __all__ = ["main"]

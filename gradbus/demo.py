@@ -61,6 +61,21 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
                           "seconds": time.perf_counter() - t0}), flush=True)
 
 
+def worker_line(index: int, line: str, done: dict, echo=print) -> None:
+    """One line of worker ``index``'s output: its final summary (``"done"``) is kept in
+    ``done``; the progress of its first and every fifth epoch is echoed, other text as it is."""
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        echo(line.rstrip())
+        return
+    if msg.get("done"):
+        done[index] = msg
+    elif msg["epoch"] % 5 == 0 or msg["epoch"] == 1:
+        echo(f"  worker {index}  epoch {msg['epoch']:>3}/{msg['epochs']}  "
+             f"loss {msg['loss']:.4f}  pushes {msg['pushes']}")
+
+
 def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str = "raw",
         broker_url: str | None = None, seed: int = 0, echo=print, error_feedback: bool = True,
         accumulate: int = 1, baseline: bool = True, optimizer: str = "adam") -> dict:
@@ -86,16 +101,7 @@ def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str
         done = {}
         for i, p in enumerate(procs):   # lines arrive interleaved in time; read each to its end
             for line in p.stdout:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    echo(line.rstrip())
-                    continue
-                if msg.get("done"):
-                    done[i] = msg
-                elif msg["epoch"] % 5 == 0 or msg["epoch"] == 1:
-                    echo(f"  worker {msg['worker']}  epoch {msg['epoch']:>3}/{msg['epochs']}  "
-                         f"loss {msg['loss']:.4f}  pushes {msg['pushes']}")
+                worker_line(i, line, done, echo)
             if p.wait() != 0 or i not in done:
                 raise GradbusError(f"worker {i} failed (exit {p.returncode})")
         with gradbus.connect(broker_url) as c:

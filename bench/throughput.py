@@ -12,7 +12,11 @@ loop) to as many consumers as there are shards. One JSON line per configuration:
     proxy_msgs_per_s  the C proxy's one-way messages per second on the same work
     ratio             pushes_per_s / proxy_msgs_per_s
 
+With ``--curve on`` (or ``both``) the gradbus cluster runs with CurveZMQ on (keys made in a
+temporary folder) and the line says ``"curve": true``; the proxy stays plain.
+
 Usage: python bench/throughput.py [--quick] [--seconds S] [--sizes 64K,4M] [--codec raw]
+                                  [--curve off|on|both]
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -30,10 +35,10 @@ SIZES = {"64K": 64 << 10, "1M": 1 << 20, "4M": 4 << 20, "16M": 16 << 20}
 
 
 # ----------------------------------------------------------------------------- gradbus
-def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out):
+def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out, curve=False):
     import gradbus
     n = nbytes // 4
-    with gradbus.connect(url, timeout=60) as c:
+    with gradbus.connect(url, timeout=60, curve=curve) as c:
         c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-6))
         c.pull(["w"])                       # follow the tensor: fresh weights arrive by subscription
         g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
@@ -52,13 +57,16 @@ def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out):
         c.flush(60)
 
 
-def run_gradbus(nbytes, workers, shards, codec, warmup, seconds, broker_args=()) -> dict:
+def run_gradbus(nbytes, workers, shards, codec, warmup, seconds, broker_args=(),
+                curve_dir=None) -> dict:
     from gradbus.cluster import LocalCluster
     ctx = mp.get_context("spawn")
-    with LocalCluster(shards, port=0, broker_args=list(broker_args)) as cluster:
+    with LocalCluster(shards, port=0, broker_args=list(broker_args),
+                      curve_dir=curve_dir) as cluster:
         out = ctx.Queue()
         procs = [ctx.Process(target=_gradbus_worker,
-                             args=(cluster.url, i, nbytes, codec, warmup, seconds, out))
+                             args=(cluster.url, i, nbytes, codec, warmup, seconds, out,
+                                   cluster.curve or False))
                  for i in range(workers)]
         for p in procs:
             p.start()
@@ -168,7 +176,11 @@ def main(argv=None) -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--warmup", type=float, default=1.5)
     ap.add_argument("--quick", action="store_true", help="4M only, 2 workers, 1 shard, raw and bf16")
+    ap.add_argument("--curve", choices=["off", "on", "both"], default="off",
+                    help="CurveZMQ on the gradbus cluster")
     a = ap.parse_args(argv)
+    curves = {"off": [False], "on": [True], "both": [False, True]}[a.curve]
+    keys = tempfile.TemporaryDirectory(prefix="gradbus-bench-keys-")
     if a.quick:
         a.sizes, a.workers, a.shards, a.codec = "4M", "2", "1", "raw,bf16"
     for size in a.sizes.split(","):
@@ -176,10 +188,11 @@ def main(argv=None) -> None:
         for w in map(int, a.workers.split(",")):
             for s in map(int, a.shards.split(",")):
                 proxy = run_proxy(nbytes, w, s, a.warmup, a.seconds)
-                for codec in a.codec.split(","):
-                    r = run_gradbus(nbytes, w, s, codec, a.warmup, a.seconds)
+                for codec, curve in ((c, v) for c in a.codec.split(",") for v in curves):
+                    r = run_gradbus(nbytes, w, s, codec, a.warmup, a.seconds,
+                                    curve_dir=keys.name if curve else None)
                     line = {"bench": "throughput", "size": size, "bytes": nbytes, "workers": w,
-                            "shards": s, "codec": codec, **r,
+                            "shards": s, "codec": codec, "curve": curve, **r,
                             "proxy_msgs_per_s": round(proxy, 1),
                             "ratio": round(r["pushes_per_s"] / proxy, 3) if proxy else None,
                             "cpus": os.cpu_count()}

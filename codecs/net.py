@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import zmq
 
-from . import timing, wire
+from . import security, timing, wire
 from .errors import GradbusError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
@@ -54,26 +54,34 @@ def url(host: str, port: int) -> str:
 
 
 def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
-          configure=None) -> dict:
-    """Ask the broker for its ports. Retries with back-off until ``timeout`` seconds pass."""
+          configure=None, curve: security.Curve | None = None) -> dict:
+    """Ask the broker for its ports. Retries with back-off until ``timeout`` seconds pass.
+    ``curve``: this process's CURVE keys (None: CURVE off); a handshake the broker refuses
+    raises :class:`~gradbus.codecs.errors.SecurityError` at once."""
     split_url(broker_url)
     deadline = time.monotonic() + timeout
     wait = timing.RECONNECT_MIN
+    failures = 0   # failed security handshakes, over every attempt
     while True:
         s = ctx.socket(zmq.DEALER)
         s.linger = 0
+        if curve is not None:
+            security.client_setup(s, curve)
         if configure:
             configure(s)
+        watch = security.HandshakeWatch(s, curve, broker_url, failures)
         try:
             s.connect(broker_url)
             s.send(wire.pack(wire.HELLO, role=role))
             left = deadline - time.monotonic()
-            if s.poll(int(max(0.0, min(wait, left)) * 1000), zmq.POLLIN):
+            if watch.poll(int(max(0.0, min(wait, left)) * 1000)):
                 h = wire.unpack_header(s.recv(), frozenset({wire.WELCOME, wire.ERROR}))
                 if h["kind"] == wire.ERROR:
                     raise GradbusError(h["message"], h["code"])
                 return h
         finally:
+            failures = watch.failures
+            watch.close()
             s.close()
         if time.monotonic() >= deadline:
             raise GradbusError(f"no broker answered at {broker_url} within {timeout:.1f}s")

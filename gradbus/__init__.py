@@ -10,12 +10,14 @@ array([-0.5, -0.5, -0.5, -0.5], dtype=float32)
 __version__ = "0.1.0"
 
 from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError,  # noqa: E402
-                                   ClosedError, GradbusError, ShardUnavailableError,
-                                   UnknownKeyError)
+                                   ClosedError, GradbusError, SecurityError,
+                                   ShardUnavailableError, UnknownKeyError)
+from gradbus.codecs.security import Curve  # noqa: E402
 from gradbus.codecs.specs import (SGD, Adagrad, Adam, Constant, Normal, Uniform,  # noqa: E402
                                   Zeros)
 from gradbus.workers.client import Client, connect  # noqa: E402
 
 __all__ = ["connect", "Client", "SGD", "Adam", "Adagrad", "Zeros", "Constant", "Normal",
            "Uniform", "GradbusError", "ShardUnavailableError", "UnknownKeyError",
-           "BackPressureError", "BrokerUnavailableError", "ClosedError", "__version__"]
+           "BackPressureError", "BrokerUnavailableError", "ClosedError", "SecurityError",
+           "Curve", "__version__"]

@@ -18,7 +18,7 @@ import random
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
-from gradbus.codecs import specs, timing, wire
+from gradbus.codecs import specs, stats, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import (DEFAULT_PARTITIONS, MAX_NAME_LEN, TensorLayout,
@@ -64,6 +64,7 @@ class ClientInfo:
     last_seen: float
     pushes: int = 0
     seen: OrderedDict = field(default_factory=OrderedDict)  # msg_id -> "pending"|ack/err frames
+    errors: dict = field(default_factory=lambda: defaultdict(int))  # code -> pushes refused
 
 
 @dataclass
@@ -76,6 +77,7 @@ class Pending:
     error: tuple | None = None     # (code, message)
     reply: dict = field(default_factory=dict)
     acks: int = 1                  # 1: settled when the primary applied; ALL: every replica
+    t0: float = 0.0                # when the broker received it
 
 
 @dataclass
@@ -109,6 +111,7 @@ class BrokerCore:
                  liveness: int = timing.LIVENESS,
                  client_liveness: int = timing.CLIENT_LIVENESS,
                  dedupe_window: int = DEDUPE_WINDOW, replicas: int = 1,
+                 auto_rebalance: bool = True,
                  fault_drop: float = 0.0, fault_seed: int = 0, now: float = 0.0):
         if not 1 <= partitions <= 65535:
             raise ValueError("partitions must be in 1..65535")
@@ -130,7 +133,14 @@ class BrokerCore:
         self.client_liveness = client_liveness
         self.dedupe_window = dedupe_window
         self.ports = {"events": 0, "backend": 0}
-        self.started = now
+        self.metrics_url: str | None = None     # where this broker's /metrics is served
+        self.started = self.now = now
+        # After a start, keys the broker does not know may be held by shards that have not
+        # registered again yet (the broker restarted). Until the grace ends, a push or snapshot
+        # of an unknown key gets RECOVERING (the SDK resends), not UNKNOWN_KEY; so does an
+        # init of an unknown tensor once a shard registered holding partitions.
+        self.recovery_grace = 2 * (heartbeat_interval * liveness + timing.RECONNECT_MAX)
+        self.restarted: bool | None = None   # unknown until a shard registers
         self.last_hb_sent = now
 
         self.owners: list[str | None] = [None] * partitions      # primaries
@@ -138,6 +148,15 @@ class BrokerCore:
         self.syncing: dict[int, dict[str, float]] = defaultdict(dict)  # p -> {shard: since}
         self.pbytes = [0] * partitions                               # parameter bytes per p
         self.failovers: list[dict] = []                              # the most recent ones
+        # Partition moves (rebalance, drain): p -> {"from", "to", "since"}; the copy catches up
+        # like a standby, then takes the place of "from" (the primary's with a new epoch).
+        self.moves: dict[int, dict] = {}
+        self.move_log: list[dict] = []
+        self.auto_rebalance = auto_rebalance
+        self.rebalance_wanted = False
+        self.draining: set[str] = set()
+        self.adopted: dict[int, tuple] = {}       # p -> (epoch, seq) of a copy taken from a
+        self.pending_drops: list = []             # registration (restart / restore)
         self.epochs = [0] * partitions
         self.lost: set[int] = set()
         self.table_version = 0
@@ -153,6 +172,10 @@ class BrokerCore:
         self.inflight: dict[tuple[int, int], Batch] = {}             # (p, seq) -> batch
         self.counters: dict[str, int] = defaultdict(int)
         self.errors: dict[str, int] = defaultdict(int)
+        self.h_batch = stats.Histogram(stats.COUNT_BUCKETS)      # entries per batch part
+        self.h_visible = stats.Histogram()     # push received -> its weights published
+        self.h_ack = stats.Histogram()         # push received -> acknowledged
+        self.h_staleness = stats.Histogram(stats.COUNT_BUCKETS)  # versions behind, on arrival
 
     # ------------------------------------------------------------------ helpers
     def accepting(self) -> bool:
@@ -219,6 +242,7 @@ class BrokerCore:
     # ------------------------------------------------------------------ frontend
     def on_frontend(self, identity: bytes, frames: list, now: float) -> list:
         self.counters["frontend_msgs"] += 1
+        self.now = now
         if not frames:
             self.errors[Code.BAD_FRAME.value] += 1
             return []
@@ -239,8 +263,10 @@ class BrokerCore:
         if kind == wire.BYE:
             self.clients.pop(identity, None)
             return []
-        if kind == wire.DIGEST:
-            return self._digest(identity, h)
+        if kind in (wire.DIGEST, wire.CHECKPOINT):
+            return self._fanout(identity, h)
+        if kind == wire.ADMIN:
+            return self._admin(identity, h, now)
         if kind == wire.PUSH and self.fault_drop and self._fault_rng.random() < self.fault_drop:
             self.counters["fault_dropped_pushes"] += 1
             return []
@@ -263,21 +289,23 @@ class BrokerCore:
             ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
             return [self._err(identity, Code.BAD_FIELD, f"{kind}: malformed ({e!r})", **ids)]
 
-    def _digest(self, identity: bytes, h: dict) -> list:
-        """Ask every live shard holding the named partitions (all, by default) for a hash of
-        each partition's state; the replies go straight to the asker (``of`` says how many)."""
-        req, ps = h["req"], h.get("ps")
+    def _fanout(self, identity: bytes, h: dict) -> list:
+        """DIGEST or CHECKPOINT: ask every live shard holding the named partitions (all, by
+        default); the replies go straight to the asker (``of`` says how many)."""
+        kind, req, ps = h["kind"], h["req"], h.get("ps")
         if ps is not None and (not isinstance(ps, list) or not all(
                 isinstance(p, int) and 0 <= p < self.P for p in ps)):
-            return [self._err(identity, Code.BAD_FIELD, "digest: ps must be a list of "
+            return [self._err(identity, Code.BAD_FIELD, f"{kind}: ps must be a list of "
                                                         "partition numbers", req=req)]
         targets = [x for x in self.shards.values() if x.alive and (
             ps is None or any(self._holds(x.id, p) for p in ps))]
         if not targets:
-            return [(FRONT, identity, [wire.pack(wire.DIGEST_REPLY, req=req, shard="",
-                                                 parts=[], of=1)])]
+            empty = wire.pack(wire.DIGEST_REPLY, req=req, shard="", parts=[], of=1) \
+                if kind == wire.DIGEST else wire.pack(wire.CHECKPOINT_REPLY, req=req, shard="",
+                                                      of=1)
+            return [(FRONT, identity, [empty])]
         extra = {"ps": ps} if ps is not None else {}
-        msg = wire.pack(wire.DIGEST, req=req, client=identity, of=len(targets), **extra)
+        msg = wire.pack(kind, req=req, client=identity, of=len(targets), **extra)
         return [(BACK, x.identity, [msg]) for x in targets]
 
     def _replay(self, client: ClientInfo, msg: int) -> list | None:
@@ -300,8 +328,20 @@ class BrokerCore:
             raise WireError(Code.UNKNOWN_KEY, f"{key!r} is not a block key") from None
         t = self.catalog.get(name)
         if t is None or idx >= t.layout.nblocks:
+            self._check_recovering(key, True)
             raise WireError(Code.UNKNOWN_KEY, f"{key} was never initialised")
         return t, idx
+
+    def _check_recovering(self, what: str, known_elsewhere: bool) -> None:
+        """RECOVERING while the broker is young and the thing asked for may exist on a shard
+        that has not registered again yet."""
+        if self.restarted is False or self.now - self.started >= self.recovery_grace:
+            return      # a fresh cluster (its first shard held nothing), or old enough
+        if self.restarted or known_elsewhere:
+            self.counters["recovering_refusals"] += 1
+            raise WireError(Code.RECOVERING, f"{what}: the broker started "
+                                             f"{self.now - self.started:.1f}s ago and is still "
+                                             "hearing from its shards; try again")
 
     def _live_owner(self, key: str, p: int) -> str:
         """The live shard owning partition p, or SHARD_UNAVAILABLE."""
@@ -318,6 +358,7 @@ class BrokerCore:
             return replay
         descs = wire.parse_tensors(h, frames, self.max_tensor_bytes)
         routed = []
+        decoded = 0
         for d, fr in zip(descs, frames):
             t, idx = self._block(d.key)
             start, stop = t.layout.block_range(idx)
@@ -327,6 +368,7 @@ class BrokerCore:
             p = partition_of(d.key, self.P)
             self._live_owner(d.key, p)
             routed.append((p, d, fr))
+            decoded += (stop - start) * (8 if d.dtype == "float64" else 4)
         if not routed:
             raise WireError(Code.BAD_REQUEST, "push carries no tensors")
         acks = h["acks"]
@@ -334,13 +376,19 @@ class BrokerCore:
             raise WireError(Code.BAD_FIELD, f"acks must be 0, 1 or {ALL} (all), not {acks}")
         ref = (client.identity, msg)
         self.pending[ref] = Pending(client.identity, msg, "push", len(routed),
-                                    acks=ALL if acks == ALL else 1)
+                                    acks=ALL if acks == ALL else 1, t0=self.now)
+        self.counters["push_wire_bytes"] += sum(d.nbytes for d in descs)
+        self.counters["push_decoded_bytes"] += decoded
+        ver = h.get("ver")
+        if isinstance(ver, int) and routed:
+            t = self._block(routed[0][1].key)[0]
+            self.h_staleness.observe(max(0, t.version - ver))
         self._remember(client, msg, "pending")
         client.pushes += 1
         self.counters["pushes_received"] += 1
         t_list = h["t"]
         for (p, d, fr), raw in zip(routed, t_list):
-            self._enqueue(p, {"op": "push"}, raw, fr, ref)
+            self._enqueue(p, {"op": "push", "c": client.identity, "m": msg}, raw, fr, ref)
         return []
 
     def _remember(self, client: ClientInfo, msg: int, value) -> None:
@@ -366,6 +414,8 @@ class BrokerCore:
         for t in h["tensors"]:
             layout, rule = self._check_tensor(t)
             cur = self.catalog.get(layout.name)
+            if cur is None:
+                self._check_recovering(f"init of {layout.name}", False)
             if cur is not None:
                 if cur.layout.dtype != layout.dtype or cur.layout.shape != layout.shape:
                     raise WireError(Code.SHAPE_MISMATCH,
@@ -528,6 +578,7 @@ class BrokerCore:
                     refs.append(ref)
                 header_parts.append({"p": p, "seq": self.seq[p], "epoch": self.epochs[p],
                                      "o": primary, "e": ents})
+                self.h_batch.observe(len(ents))
                 self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys})
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
             self.counters["batches"] += 1
@@ -571,6 +622,7 @@ class BrokerCore:
     # ------------------------------------------------------------------ backend
     def on_backend(self, identity: bytes, frames: list, now: float) -> list:
         self.counters["backend_msgs"] += 1
+        self.now = now
         try:
             h = wire.unpack_header(frames[0], wire.BACKEND_KINDS) if frames else None
             if h is None:
@@ -609,7 +661,7 @@ class BrokerCore:
                     pass
                 return [(FRONT, client, frames)]
             return []
-        if kind == wire.DIGEST_REPLY:
+        if kind in (wire.DIGEST_REPLY, wire.CHECKPOINT_REPLY):
             client = h.get("client")
             return [(FRONT, client, frames)] if isinstance(client, bytes) else []
         if kind == wire.STATE:
@@ -634,20 +686,22 @@ class BrokerCore:
             return [(BACK, identity, [wire.error(Code.BAD_FIELD,
                                                  "register: bad shard id or holds")])]
         holds = {p: (epoch, seq) for p, epoch, seq in held}
+        if holds:
+            self.restarted = True   # shards with state: this broker may be missing tensors
+        elif self.restarted is None:
+            self.restarted = False  # the first shard held nothing: a fresh cluster
         s = self.shards.get(sid)
         actions = []
         drop = []
         if s is None:
             s = self.shards[sid] = ShardInfo(sid, identity, now)
-            drop = sorted(holds)   # nothing of this broker's: stale data from an earlier life
             log.info("shard %s registered", sid)
+            if self.auto_rebalance and not holds and any(
+                    x.partitions for x in self.shards.values()):
+                self.rebalance_wanted = True     # a new, empty shard: give it a share
         else:
             if s.alive:
                 actions += self._shard_dead(s, now, "re-registered")
-            for p in sorted(holds):
-                if self.owners[p] == sid and not self._live_elsewhere(p, sid):
-                    continue        # no other copy: it comes back with its data (below)
-                drop.append(p)      # failed over while it was away: fenced
             # A sole owner that comes back without its partitions lost them.
             for p in list(s.partitions):
                 if self.owners[p] == sid and p not in holds:
@@ -656,6 +710,17 @@ class BrokerCore:
                     s.partitions.discard(p)
             s.identity, s.alive, s.last_seen, s.inflight = identity, True, now, 0
             log.info("shard %s re-registered", sid)
+        held_bytes = self._learn_catalog(h)
+        for p in sorted(holds):
+            if self.owners[p] == sid:
+                continue            # its only copy: it comes back with its data
+            if not self._adopt(s, p, holds[p], held_bytes.get(p, 0)):
+                drop.append(p)      # failed over while it was away, or older: fenced
+        for other, p in self.pending_drops:   # copies a newer registration replaced
+            sh = self.shards[other]
+            if sh.alive:
+                actions.append((BACK, sh.identity, [wire.pack(wire.DROP, ps=[p])]))
+        self.pending_drops.clear()
         if drop:
             self.counters["fenced_partitions"] += len(drop)
             log.warning("shard %s: dropping %d partitions it holds from an older epoch",
@@ -668,8 +733,78 @@ class BrokerCore:
         actions.append((PUB, self._table_msg()))
         return actions
 
-    def _live_elsewhere(self, p: int, sid: str) -> bool:
-        return any(x != sid and self._live(x) for x in self.standbys[p])
+    def _learn_catalog(self, h: dict) -> dict[int, int]:
+        """Tensors and block versions a registering shard holds that this broker does not know
+        (it restarted, or the cluster was restored from checkpoints); returns the parameter
+        bytes it holds per partition."""
+        tensors, blocks = h.get("tensors"), h.get("blocks")
+        held: dict[int, int] = defaultdict(int)
+        if not isinstance(tensors, list) or not isinstance(blocks, list):
+            return held
+        for t in tensors:
+            try:
+                if t["name"] in self.catalog:
+                    continue
+                layout, _ = self._check_tensor({**t, "init": {"name": "zeros"}})
+                specs.optimizer_from_wire(t["opt"])
+                self.catalog[layout.name] = Tensor(layout, t["opt"])
+            except (WireError, TypeError, KeyError, ValueError) as e:
+                self.errors[Code.BAD_FIELD.value] += 1
+                log.warning("register: bad tensor %r: %s", t, e)
+        for b in blocks:
+            if isinstance(b, list) and len(b) == 2 and isinstance(b[1], int):
+                try:
+                    t, idx = self._block(b[0])
+                except (WireError, TypeError):
+                    continue
+                t.versions.setdefault(idx, b[1])
+                start, stop = t.layout.block_range(idx)
+                held[partition_of(b[0], self.P)] += (stop - start) * (
+                    8 if t.layout.dtype == "float64" else 4)
+        return held
+
+    def _adopt(self, s: ShardInfo, p: int, state: tuple, nbytes: int) -> bool:
+        """Whether a registering shard's copy of partition p (at ``state`` = (epoch, seq))
+        becomes a replica: taken as the primary when this broker never placed p, as an in-sync
+        standby when it equals the primary's registered copy and nothing was sent since, and
+        as the new primary when it is newer than that copy. Otherwise it is stale."""
+        epoch, seq = state
+        owner = self.owners[p]
+        if owner is None:
+            self.owners[p], self.epochs[p] = s.id, max(epoch, 1)
+            self.seq[p] = max(self.seq[p], seq)
+            if seq:
+                self.published_seq[p] = seq
+            self.adopted[p] = state
+            self.pbytes[p] = nbytes
+            s.partitions.add(p)
+            s.bytes += self.pbytes[p]
+            self.counters["partitions_adopted"] += 1
+            return True
+        known = self.adopted.get(p)
+        if known is None or self.seq[p] != known[1] or self._holds(s.id, p):
+            return False       # batches went out since: a copy from before them is stale
+        if state == known and 1 + len(self.standbys[p]) < self.replicas:
+            self.standbys[p].append(s.id)
+            s.partitions.add(p)
+            s.bytes += self.pbytes[p]
+            return True
+        if state > known:      # newer than the copy adopted first: it takes over
+            self.adopted[p] = state
+            self.epochs[p], self.seq[p] = max(epoch, 1), seq
+            self.published_seq[p] = seq
+            old = [owner, *self.standbys[p]]
+            self.standbys[p] = []
+            self.owners[p] = s.id
+            s.partitions.add(p)
+            s.bytes += self.pbytes[p]
+            for sid in old:
+                sh = self.shards[sid]
+                sh.partitions.discard(p)
+                sh.bytes -= self.pbytes[p]
+                self.pending_drops.append((sid, p))
+            return True
+        return False
 
     def _applied(self, s: ShardInfo, h: dict, frames: list) -> list:
         actions = []
@@ -687,6 +822,11 @@ class BrokerCore:
             if primary:
                 if pub is not None:
                     actions.append((PUB, [wire.topic_partition(p), *pub]))
+                    b = self.inflight.get((p, seq))
+                    for ref in (b.refs if b is not None and not b.primary_done else ()):
+                        pend = self.pending.get(ref)
+                        if pend is not None and pend.kind == "push":
+                            self.h_visible.observe(self.now - pend.t0)
                 # Even unpublished (applied as a standby just before a failover), the seq is
                 # named in heartbeats, so subscribers see they missed it and re-snapshot.
                 if seq > self.published_seq.get(p, 0):
@@ -750,7 +890,158 @@ class BrokerCore:
         self.table_version += 1
         log.info("shard %s in sync for partition %d at seq %d (%.3fs)", s.id, p, h["seq"],
                  now - since)
-        return [(PUB, self._table_msg())]
+        actions = []
+        mv = self.moves.get(p)
+        if mv is not None and mv["to"] == s.id:
+            actions += self._finish_move(p, mv, int(h["seq"]), now)
+        return self._coalesce([*actions, (PUB, self._table_msg())])
+
+    # ------------------------------------------------------------------ moves
+    def _start_move(self, p: int, src: str, dst: str, now: float) -> list:
+        t = self.shards[dst]
+        self.syncing[p][dst] = now
+        t.partitions.add(p)
+        t.bytes += self.pbytes[p]
+        self.shards[src].bytes -= self.pbytes[p]   # counted where it is going, from now on
+        self.moves[p] = {"from": src, "to": dst, "since": now}
+        self.counters["moves_started"] += 1
+        return [(BACK, t.identity, [wire.pack(wire.ADOPT, p=p)]),
+                (BACK, self.shards[self.owners[p]].identity,
+                 [wire.pack(wire.STATE_REQ, p=p, to=dst)])]
+
+    def _finish_move(self, p: int, mv: dict, synced_seq: int, now: float) -> list:
+        """The new copy is in sync: it takes the old one's place (as primary with the next epoch
+        when the old one led), and the old one drops the partition."""
+        del self.moves[p]
+        src, dst = mv["from"], mv["to"]
+        if src == self.owners[p]:
+            self.standbys[p].remove(dst)
+            self.owners[p] = dst
+            self.epochs[p] += 1
+            # Batches up to the synced seq that the old primary had not yet reported are not
+            # published by anyone (its APPLIED now counts as fenced, the new one applied them
+            # while catching up): name that seq in heartbeats so subscribers re-snapshot.
+            if synced_seq > self.published_seq.get(p, 0):
+                self.published_seq[p] = synced_seq
+        elif src in self.standbys[p]:
+            self.standbys[p].remove(src)
+        else:
+            return []      # the old copy is gone already (it died): the new one just stays
+        actions = []
+        for (bp, seq), b in list(self.inflight.items()):
+            if bp != p:
+                continue
+            if seq > synced_seq:
+                b.waiting.add(dst)    # sent to it while it caught up: it applies them next
+            if src in b.waiting:
+                b.waiting.discard(src)
+                actions += self._progress(p, seq, b)
+        old = self.shards[src]
+        old.partitions.discard(p)
+        if old.alive:
+            actions.append((BACK, old.identity, [wire.pack(wire.DROP, ps=[p])]))
+        self.counters["moves"] += 1
+        self.move_log.append({"p": p, "from": src, "to": dst, "bytes": self.pbytes[p],
+                              "seconds": round(now - mv["since"], 3), "at": now})
+        del self.move_log[:-256]
+        self.table_version += 1
+        log.info("partition %d moved %s -> %s in %.3fs", p, src, dst, now - mv["since"])
+        if src in self.draining:
+            actions += self._maybe_drained(old)
+        return actions
+
+    def _maybe_drained(self, s: ShardInfo) -> list:
+        if s.partitions or any(m["from"] == s.id for m in self.moves.values()):
+            return []
+        self.draining.discard(s.id)
+        log.info("shard %s drained: stopping it", s.id)
+        self.counters["shards_drained"] += 1
+        return [(BACK, s.identity, [wire.pack(wire.STOP)])] if s.alive else []
+
+    def _plan(self, now: float) -> list:
+        """Start moves while slots are free: everything off draining shards first, then from
+        the shard holding most bytes to the one holding fewest, each move only if it narrows
+        the gap (so plans converge and never oscillate)."""
+        actions = []
+        busy = sum(len(v) for v in self.syncing.values())
+        targets = [x for x in self.shards.values() if x.alive and x.id not in self.draining]
+        if not targets:
+            return actions
+        for sid in sorted(self.draining):
+            src = self.shards[sid]
+            for p in sorted(src.partitions):
+                if busy >= MAX_SYNCS:
+                    return actions
+                if p in self.moves or p in self.syncing or self.owners[p] is None or (
+                        not self._live(self.owners[p])):
+                    continue
+                cands = [x for x in targets if not self._holds(x.id, p)]
+                if not cands:    # no other shard can take this copy: let it go (a standby)
+                    if sid in self.standbys[p]:
+                        actions += self._release_standby(p, src)
+                    continue
+                dst = min(cands, key=lambda x: (x.bytes, x.id))
+                actions += self._start_move(p, sid, dst.id, now)
+                busy += 1
+            actions += self._maybe_drained(src)
+        if not (self.rebalance_wanted and len(targets) > 1):
+            return actions
+        moved = False
+        while busy < MAX_SYNCS:
+            heavy = max(targets, key=lambda x: (x.bytes, x.id))
+            light = min(targets, key=lambda x: (x.bytes, x.id))
+            gap = heavy.bytes - light.bytes
+            best = None
+            for p in heavy.partitions:
+                size = self.pbytes[p]
+                if (0 < size < gap and p not in self.moves and p not in self.syncing
+                        and not self._holds(light.id, p) and self._live(self.owners[p])
+                        and (best is None or size > self.pbytes[best])):
+                    best = p
+            if best is None:
+                break
+            actions += self._start_move(best, heavy.id, light.id, now)
+            busy += 1
+            moved = True
+        if not moved and not self.moves:
+            self.rebalance_wanted = False     # balanced
+        return actions
+
+    def _release_standby(self, p: int, s: ShardInfo) -> list:
+        self.standbys[p].remove(s.id)
+        s.partitions.discard(p)
+        s.bytes -= self.pbytes[p]
+        for (bp, seq), b in list(self.inflight.items()):
+            if bp == p and s.id in b.waiting:
+                b.waiting.discard(s.id)
+        self.table_version += 1
+        return [(BACK, s.identity, [wire.pack(wire.DROP, ps=[p])])]
+
+    def _admin(self, identity: bytes, h: dict, now: float) -> list:
+        """Ops commands: ``rebalance``, ``drain`` (with ``shard``)."""
+        op, req = h["op"], h["req"]
+        if op == "rebalance":
+            self.rebalance_wanted = True
+            actions = self._plan(now)
+            result = {"moves_started": sum(1 for a in actions if a[0] == BACK
+                                           and b"adopt" in bytes(a[2][0]))}
+        elif op == "drain":
+            sid = h.get("shard")
+            s = self.shards.get(sid) if isinstance(sid, str) else None
+            if s is None or not s.alive:
+                return [self._err(identity, Code.BAD_REQUEST, f"drain: no live shard {sid!r}",
+                                  req=req)]
+            if not any(x.alive and x.id != sid for x in self.shards.values()):
+                return [self._err(identity, Code.BAD_REQUEST,
+                                  f"drain: {sid} is the only live shard", req=req)]
+            self.draining.add(sid)
+            actions = self._plan(now)
+            result = {"shard": sid, "partitions": len(s.partitions)}
+        else:
+            return [self._err(identity, Code.BAD_FIELD, f"admin: unknown op {op!r}", req=req)]
+        actions.append((FRONT, identity, [wire.pack(wire.ADMIN_REPLY, req=req, result=result)]))
+        actions.append((PUB, self._table_msg()))
+        return self._coalesce(actions)
 
     def _coalesce(self, actions: list) -> list:
         """One ACK message per client for every push acknowledged in this step:
@@ -786,9 +1077,12 @@ class BrokerCore:
         if pend.error:
             code, message = pend.error
             self.errors[str(code)] += 1
+            if client is not None:
+                client.errors[str(code)] += 1     # e.g. NOT_FINITE per client
             reply = [wire.error(code, message, msg=pend.msg)]
         elif pend.kind == "push":
             self.counters["pushes_applied"] += 1
+            self.h_ack.observe(self.now - pend.t0)
             if client is not None:
                 self._remember(client, pend.msg, ACKED)
             return [(_ACK, pend.client, pend.msg)]
@@ -842,6 +1136,13 @@ class BrokerCore:
             self.failovers.append({"p": p, "from": s.id, "to": new, "epoch": self.epochs[p],
                                    "at": now, "silent_s": round(now - s.last_seen, 3)})
         del self.failovers[:-256]
+        for p, mv in list(self.moves.items()):
+            if s.id in (mv["from"], mv["to"]) or p not in self.syncing:
+                del self.moves[p]      # the catch-up was cancelled, or its source is gone
+                src = self.shards[mv["from"]]
+                if src.id != s.id and p in src.partitions:
+                    src.bytes += self.pbytes[p]   # it keeps its copy after all
+        self.draining.discard(s.id)
         for (p, seq), b in list(self.inflight.items()):
             if s.id in b.waiting:
                 b.waiting.discard(s.id)
@@ -849,6 +1150,7 @@ class BrokerCore:
         for client, req in s.snapshots + [(c, r) for c, r, _, _ in s.queued_snapshots]:
             actions.append(self._err(client, Code.SHARD_UNAVAILABLE, err[1], req=req))
         s.snapshots, s.queued_snapshots, s.inflight = [], [], 0
+        s.bytes = sum(self.pbytes[p] for p in s.partitions)   # what it still owns alone
         self.table_version += 1
         actions.append((PUB, self._table_msg()))
         return self._coalesce(actions)
@@ -900,6 +1202,7 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ clock
     def on_tick(self, now: float) -> list:
+        self.now = now
         actions = []
         deadline = self.hb_interval * self.liveness
         for s in list(self.shards.values()):
@@ -910,6 +1213,8 @@ class BrokerCore:
                     ref[0] == ident for ref in self.pending):
                 del self.clients[ident]
         actions += self._repair(now)
+        if self.draining or self.rebalance_wanted:
+            actions += self._coalesce(self._plan(now))
         if now - self.last_hb_sent >= self.hb_interval:
             self.last_hb_sent = now
             hb = wire.pack(wire.HEARTBEAT)
@@ -935,7 +1240,7 @@ class BrokerCore:
                            "syncing": sum(1 for v in self.syncing.values() if s.id in v),
                            "bytes": s.bytes, "inflight": s.inflight,
                            "last_seen_s": round(now - s.last_seen, 3), "info": s.info})
-        workers = [{"id": c.identity.hex(), "pushes": c.pushes,
+        workers = [{"id": c.identity.hex(), "pushes": c.pushes, "errors": dict(c.errors),
                     "last_seen_s": round(now - c.last_seen, 3)}
                    for c in self.clients.values()]
         tensors = [{"name": n, "dtype": t.layout.dtype, "shape": list(t.layout.shape),
@@ -943,15 +1248,89 @@ class BrokerCore:
                     "optimizer": t.opt.get("name")} for n, t in sorted(self.catalog.items())]
         down = self._down()
         return {"uptime_s": round(now - self.started, 3), "partitions": self.P,
+                "metrics_url": self.metrics_url,
+                "metrics_urls": {"broker": self.metrics_url, **{
+                    s.id: s.info.get("metrics_url") for s in self.shards.values()
+                    if s.alive and s.info.get("metrics_url")}} if self.metrics_url or any(
+                    s.info.get("metrics_url") for s in self.shards.values()) else {},
                 "partitions_assigned": sum(1 for o in self.owners if o),
                 "partitions_down": down, "table_version": self.table_version,
                 "replicas": self.replicas,
                 "under_replicated": sum(1 for p, o in enumerate(self.owners) if o and 1 + len(
                     self.standbys[p]) < self.replicas),
                 "failovers": self.failovers[-20:],
+                "moves": self.move_log[-20:],
+                "moves_in_progress": [{"p": p, **mv} for p, mv in sorted(self.moves.items())],
+                "draining": sorted(self.draining),
                 "shards": shards, "workers": workers, "tensors": tensors,
                 "pending_bytes": self.pending_bytes, "counters": dict(self.counters),
                 "errors": dict(self.errors)}
+
+    def metrics(self, now: float) -> dict:
+        """A snapshot for the Prometheus exporter (built on the loop's thread)."""
+        c = self.counters
+        alive = {s.id: int(s.alive) for s in self.shards.values()}
+        wire_b, dec_b = c.get("push_wire_bytes", 0), c.get("push_decoded_bytes", 0)
+        m = {
+            "gradbus_broker_pushes_received": stats.counter(
+                "Pushes accepted from clients.", c.get("pushes_received", 0)),
+            "gradbus_broker_pushes_applied": stats.counter(
+                "Pushes applied and acknowledged.", c.get("pushes_applied", 0)),
+            "gradbus_broker_push_wire_bytes": stats.counter(
+                "Gradient bytes received, as encoded on the wire.", wire_b),
+            "gradbus_broker_push_decoded_bytes": stats.counter(
+                "Gradient bytes received, decoded (dense parameter bytes).", dec_b),
+            "gradbus_broker_compression_ratio": stats.gauge(
+                "Decoded over wire bytes of all pushes so far.", dec_b / wire_b if wire_b else 1.0),
+            "gradbus_broker_batches": stats.counter("Batch messages sent to shards.",
+                                                    c.get("batches", 0)),
+            "gradbus_broker_duplicates": stats.counter(
+                "Pushes or inits received again (resends) and not applied again.",
+                c.get("duplicates", 0)),
+            "gradbus_broker_failovers": stats.counter(
+                "Partitions whose primary was replaced by a standby.", c.get("failovers", 0)),
+            "gradbus_broker_shard_deaths": stats.counter(
+                "Shards declared dead (silent past liveness, bye, or restarted).",
+                c.get("shards_lost", 0)),
+            "gradbus_broker_fenced_partitions": stats.counter(
+                "Stale partitions a returning shard was told to drop.",
+                c.get("fenced_partitions", 0)),
+            "gradbus_broker_standbys_synced": stats.counter(
+                "Standbys that finished catching up on a partition.",
+                c.get("standbys_synced", 0)),
+            "gradbus_broker_errors": stats.labelled("counter", "Errors by code.", "code",
+                                                    dict(self.errors)),
+            "gradbus_broker_pending_bytes": stats.gauge(
+                "Tensor bytes queued in the broker, not yet sent to shards.", self.pending_bytes),
+            "gradbus_broker_pending_entries": stats.gauge(
+                "Entries queued in the broker.", sum(len(v) for v in
+                                                     self.pending_entries.values())),
+            "gradbus_broker_inflight_batches": stats.labelled(
+                "gauge", "Batches sent to a shard and not yet applied (its used credit).",
+                "shard", {s.id: s.inflight for s in self.shards.values()}),
+            "gradbus_broker_shard_credit": stats.gauge("Batches allowed in flight per shard.",
+                                                       self.shard_credit),
+            "gradbus_broker_shard_up": stats.labelled("gauge", "1 if the shard is alive.",
+                                                      "shard", alive),
+            "gradbus_broker_partitions_down": stats.gauge(
+                "Partitions with no live primary.", len(self._down())),
+            "gradbus_broker_under_replicated_partitions": stats.gauge(
+                "Partitions with fewer in-sync copies than --replicas.",
+                sum(1 for p, o in enumerate(self.owners)
+                    if o and 1 + len(self.standbys[p]) < self.replicas)),
+            "gradbus_broker_workers": stats.gauge("Clients currently known.", len(self.clients)),
+            "gradbus_broker_batch_entries": stats.histogram(
+                "Entries (pushes and inits) per partition batch.", self.h_batch),
+            "gradbus_broker_push_to_visible_seconds": stats.histogram(
+                "From a push's arrival to the publish of the weights it changed.",
+                self.h_visible),
+            "gradbus_broker_push_to_ack_seconds": stats.histogram(
+                "From a push's arrival to its acknowledgement.", self.h_ack),
+            "gradbus_broker_staleness": stats.histogram(
+                "Versions a push's weights were behind the tensor's on arrival (pushes that "
+                "say which version they were computed on).", self.h_staleness),
+        }
+        return m
 
     def table(self) -> dict:
         """The partition table: per partition its primary, in-sync standbys, standbys catching

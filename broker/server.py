@@ -4,6 +4,9 @@
 * backend ROUTER (shards), same options;
 * events XPUB (weight updates by partition topic, the partition table, heartbeats).
 
+With ``curve`` (a :class:`~gradbus.codecs.security.Curve` holding the broker's key pair and an
+allow directory) all three are CURVE servers and a ZAP thread admits only the allowed keys.
+
 The loop drains what is ready (backend first, so credit returns before new work is batched),
 then flushes batches: pushes that arrived together for a partition go to its shard as one batch.
 Tensor frames are received with ``copy=False`` and sent on as the same frames.
@@ -16,7 +19,7 @@ import time
 
 import zmq
 
-from gradbus.codecs import net
+from gradbus.codecs import net, security
 
 from .core import FRONT, PUB, BrokerCore
 
@@ -32,13 +35,33 @@ DRAIN_MAX = 512           # messages read from one socket before flushing
 class BrokerServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 5555, *, backend_port: int = 0,
                  events_port: int = 0, batch_window: float = 0.0, clock=time.monotonic,
-                 ctx: zmq.Context | None = None, **core_kw):
+                 ctx: zmq.Context | None = None, curve: security.Curve | None = None,
+                 on_metrics=None, **core_kw):
         self.clock = clock
+        self.on_metrics = on_metrics   # called with a metrics snapshot every tick
         self.batch_window = batch_window
         self.core = BrokerCore(now=clock(), **core_kw)
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.host = host
+        self.curve = curve
+        self.auth = self.handshakes = self.frontend = self.backend = self.events = None
+        try:
+            self._open(curve, port, backend_port, events_port)
+        except BaseException:
+            self.close()
+            raise
+        self.core.ports = {"events": self.events_port, "backend": self.backend_port}
+        self.stopping = threading.Event()
+        self.send_failures = 0
+
+    def _open(self, curve, port: int, backend_port: int, events_port: int) -> None:
+        if curve is not None:
+            if not curve.allow:
+                raise security.SecurityError("a CURVE broker needs an allow directory "
+                                             "(--curve-allow DIR)")
+            # the ZAP handler must answer before the first connection is accepted
+            self.auth = security.Authenticator(self.ctx, curve.allow).start()
         self.frontend = self._router(sndtimeo=0)     # never stall the loop on one slow client
         self.backend = self._router(sndtimeo=1000)   # shards: bounded by credit, so rarely full
         self.events = self.ctx.socket(zmq.XPUB)
@@ -46,12 +69,13 @@ class BrokerServer:
         self.events.sndhwm = EVENTS_SNDHWM
         self.frontend.rcvhwm = FRONTEND_RCVHWM
         self.frontend.sndhwm = FRONTEND_SNDHWM
+        if curve is not None:
+            for s in (self.frontend, self.backend, self.events):
+                security.server_setup(s, curve)
+            self.handshakes = security.FailureCounter((self.frontend, self.backend, self.events))
         self.port = self._bind(self.frontend, port)
         self.backend_port = self._bind(self.backend, backend_port)
         self.events_port = self._bind(self.events, events_port)
-        self.core.ports = {"events": self.events_port, "backend": self.backend_port}
-        self.stopping = threading.Event()
-        self.send_failures = 0
 
     def _router(self, sndtimeo: int):
         s = self.ctx.socket(zmq.ROUTER)
@@ -143,7 +167,11 @@ class BrokerServer:
                 else:
                     first_pending = None
                 if now >= next_tick:
+                    if self.handshakes is not None:   # refused CURVE handshakes, in errors
+                        self.handshakes.drain(self.core.errors)
                     self._do(self.core.on_tick(now))
+                    if self.on_metrics is not None:
+                        self.on_metrics(self.core.metrics(now))
                     next_tick = now + tick_every
         finally:
             self.close()
@@ -164,7 +192,12 @@ class BrokerServer:
         self.stopping.set()
 
     def close(self) -> None:
+        if self.handshakes is not None:
+            self.handshakes.close()
         for s in (self.frontend, self.backend, self.events):
-            s.close(linger=0)
+            if s is not None:
+                s.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         if self._own_ctx:
             self.ctx.term()

@@ -21,11 +21,15 @@ class Code(str, enum.Enum):
     SHAPE_MISMATCH = "SHAPE_MISMATCH"      # init of an existing key with another shape/dtype
     SHARD_UNAVAILABLE = "SHARD_UNAVAILABLE"  # the shard owning the key is dead or absent
     BROKER_UNAVAILABLE = "BROKER_UNAVAILABLE"  # the broker is silent past its liveness (client-side)
+    SECURITY = "SECURITY"                  # a CURVE key file that cannot be used, or a handshake
+                                           # the broker refused (client-side, never on the wire)
     NO_SHARDS = "NO_SHARDS"                # no live shard to place a new partition on
     NOT_FINITE = "NOT_FINITE"              # NaN or Inf in a gradient
     BAD_REQUEST = "BAD_REQUEST"            # well-formed but not acceptable
     NOT_REGISTERED = "NOT_REGISTERED"      # a shard spoke before registering (or after being
                                            # declared dead): it must send REGISTER again
+    RECOVERING = "RECOVERING"              # a restarted broker is still learning its table from
+                                           # its shards: try again shortly (the SDK resends)
     FENCED = "FENCED"                      # a shard spoke for a partition it no longer holds
                                            # (failed over while it was away): refused, counted
     INTERNAL = "INTERNAL"                  # a bug: the receiver failed handling a valid message
@@ -74,6 +78,13 @@ class BrokerUnavailableError(GradbusError):
     """The broker has been silent past its liveness window."""
 
     code = Code.BROKER_UNAVAILABLE
+
+
+class SecurityError(GradbusError):
+    """A CURVE key file that cannot be used, or a connection the broker refused: a key not in
+    its allow directory, CURVE on one side only, or a wrong server key."""
+
+    code = Code.SECURITY
 
 
 class ClosedError(GradbusError):

@@ -57,6 +57,8 @@ UPDATE, TABLE = "update", "table"
 # replication: catch-up of a standby, fencing, state digests
 ADOPT, STATE_REQ, STATE, SYNCED = "adopt", "state_req", "state", "synced"
 DROP, DIGEST, DIGEST_REPLY = "drop", "digest", "digest_reply"
+CHECKPOINT, CHECKPOINT_REPLY = "checkpoint", "checkpoint_reply"
+ADMIN, ADMIN_REPLY, STOP = "admin", "admin_reply", "stop"   # rebalance, drain; a drained shard
 
 ACKS_ALL = -1                     # the wire value of acks="all"
 
@@ -96,17 +98,23 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     DROP: {"ps": (_LIST, True)},
     DIGEST: {"req": (_INT, True)},
     DIGEST_REPLY: {"req": (_INT, True), "shard": (_STR, True), "parts": (_LIST, True)},
+    CHECKPOINT: {"req": (_INT, True)},
+    ADMIN: {"req": (_INT, True), "op": (_STR, True)},
+    ADMIN_REPLY: {"req": (_INT, True), "result": (_MAP, True)},
+    STOP: {},
+    CHECKPOINT_REPLY: {"req": (_INT, True), "shard": (_STR, True)},
     TABLE: {"version": (_INT, True), "owners": (_LIST, True)},
 }
 
-FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, CATALOG, STATUS, DIGEST, HEARTBEAT,
-                            BYE})
+FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, CATALOG, STATUS, DIGEST, CHECKPOINT,
+                            ADMIN, HEARTBEAT, BYE})
 BACKEND_KINDS = frozenset({REGISTER, HEARTBEAT, APPLIED, SNAPSHOT_REPLY, STATE, SYNCED,
-                           DIGEST_REPLY, ERROR, BYE})
+                           DIGEST_REPLY, CHECKPOINT_REPLY, ERROR, BYE})
 SHARD_KINDS = frozenset({REGISTERED, HEARTBEAT, BATCH, SNAPSHOT, ADOPT, STATE_REQ, STATE, DROP,
-                         DIGEST, ERROR})
+                         DIGEST, CHECKPOINT, STOP, ERROR})
 CLIENT_KINDS = frozenset({WELCOME, INIT_OK, ACK, SNAPSHOT_REPLY, CATALOG_REPLY, STATUS_REPLY,
-                          DIGEST_REPLY, ERROR, UPDATE, TABLE, HEARTBEAT})
+                          DIGEST_REPLY, CHECKPOINT_REPLY, ADMIN_REPLY, ERROR, UPDATE, TABLE,
+                          HEARTBEAT})
 
 
 def checksum(buf) -> int:

@@ -1,35 +1,44 @@
-"""One-shot requests for ops commands (status) over a short-lived DEALER."""
+"""One-shot requests for ops commands (status) over a short-lived DEALER.
+
+Every request takes ``curve``: the ops tool's CURVE keys (a
+:class:`~gradbus.codecs.security.Curve` with the broker's public key) when the broker has
+CURVE on, else None. A refused key raises :class:`~gradbus.codecs.errors.SecurityError`."""
 from __future__ import annotations
 
 import itertools
 
 import zmq
 
-from gradbus.codecs import net, wire
+from gradbus.codecs import net, security, wire
 from gradbus.codecs.errors import GradbusError, error_from
 
 _ids = itertools.count(1)
 
 
-def request(url: str, kind: str, timeout: float = 5.0, **fields) -> dict:
+def request(url: str, kind: str, timeout: float = 5.0, *,
+            curve: security.Curve | None = None, **fields) -> dict:
     """Send one request to the broker's frontend and return the reply header."""
-    return request_all(url, kind, timeout, **fields)[0]
+    return request_all(url, kind, timeout, curve=curve, **fields)[0]
 
 
-def request_all(url: str, kind: str, timeout: float = 5.0, **fields) -> list[dict]:
+def request_all(url: str, kind: str, timeout: float = 5.0, *,
+                curve: security.Curve | None = None, **fields) -> list[dict]:
     """Send one request and return every reply header to it (a reply's ``of`` says how many
     parts the answer comes in, as for a digest that each shard answers)."""
     net.split_url(url)
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
+    if curve is not None:
+        security.client_setup(s, curve)
+    watch = security.HandshakeWatch(s, curve, url)
     try:
         s.connect(url)
         req = next(_ids)
         s.send(wire.pack(kind, req=req, **fields))
         replies: list[dict] = []
         while True:
-            if not s.poll(int(timeout * 1000), zmq.POLLIN):
+            if not watch.poll(int(timeout * 1000)):
                 raise GradbusError(f"no reply from the broker at {url} within {timeout:.1f}s")
             frames = s.recv_multipart()
             h = wire.unpack_header(frames[0], wire.CLIENT_KINDS)
@@ -42,26 +51,51 @@ def request_all(url: str, kind: str, timeout: float = 5.0, **fields) -> list[dic
             if not isinstance(of, int) or len(replies) >= of:
                 return replies
     finally:
+        watch.close()
         s.close(linger=0)
 
 
-def status(url: str, timeout: float = 5.0) -> dict:
-    return request(url, wire.STATUS, timeout)["status"]
+def status(url: str, timeout: float = 5.0, curve: security.Curve | None = None) -> dict:
+    return request(url, wire.STATUS, timeout, curve=curve)["status"]
 
 
-def partitions(url: str, timeout: float = 5.0) -> dict:
+def partitions(url: str, timeout: float = 5.0, curve: security.Curve | None = None) -> dict:
     """The broker's partition table: ``owners``, ``standbys``, ``syncing``, ``epochs``,
     ``seqs`` and ``down``, each indexed by partition."""
-    return request(url, wire.STATUS, timeout, table=True)["status"]["table"]
+    return request(url, wire.STATUS, timeout, curve=curve, table=True)["status"]["table"]
 
 
 def digest(url: str, partitions: list[int] | None = None,
-           timeout: float = 10.0) -> dict[str, dict[int, tuple[int, str]]]:
+           timeout: float = 10.0, curve: security.Curve | None = None
+           ) -> dict[str, dict[int, tuple[int, str]]]:
     """``{shard: {partition: (seq, digest)}}`` from every live shard holding the partitions
     (all partitions by default): replicas of a partition at the same seq have equal digests."""
     fields = {"ps": list(partitions)} if partitions is not None else {}
     out: dict[str, dict[int, tuple[int, str]]] = {}
-    for h in request_all(url, wire.DIGEST, timeout, **fields):
+    for h in request_all(url, wire.DIGEST, timeout, curve=curve, **fields):
         if h["shard"]:
             out[h["shard"]] = {int(p): (int(seq), str(d)) for p, seq, d in h["parts"]}
     return out
+
+
+def checkpoint(url: str, timeout: float = 60.0,
+               curve: security.Curve | None = None) -> list[dict]:
+    """Have every live shard write a checkpoint now: one ``{shard, path, time, partitions}``
+    (or ``{shard, error}``) per shard."""
+    out = []
+    for h in request_all(url, wire.CHECKPOINT, timeout, curve=curve):
+        if h["shard"]:
+            out.append({k: h[k] for k in ("shard", "path", "time", "partitions", "error")
+                        if k in h})
+    return sorted(out, key=lambda r: r["shard"])
+
+
+def rebalance(url: str, timeout: float = 5.0, **kw) -> dict:
+    """Ask the broker to even out bytes per shard by moving partitions (returns at once; the
+    moves show in status and the partition table as they happen)."""
+    return request(url, wire.ADMIN, timeout, op="rebalance", **kw)["result"]
+
+
+def drain(url: str, shard: str, timeout: float = 5.0, **kw) -> dict:
+    """Move every partition off ``shard``; it stops once it holds nothing."""
+    return request(url, wire.ADMIN, timeout, op="drain", shard=shard, **kw)["result"]

@@ -1,6 +1,7 @@
 """The ``gradbus`` command: broker, shard, up, demo, status."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import signal
@@ -24,6 +25,24 @@ replicas_option = click.option(
     help="Copies of every partition: a primary and replicas-1 hot standbys on other shards.")
 
 
+def metrics_options(f):
+    f = click.option("--metrics-host", default="127.0.0.1", show_default=True,
+                     help="Address the metrics endpoint binds (0.0.0.0 in containers).")(f)
+    return click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+                        help="Serve Prometheus metrics at http://HOST:PORT/metrics "
+                             "(0: a free port; unset: off).")(f)
+
+
+def _exporter(port, host, name):
+    if port is None:
+        return None
+    from gradbus.metrics import MetricsExporter
+    try:
+        return MetricsExporter(port, host, name)
+    except OSError as e:
+        raise click.ClickException(f"cannot serve metrics on {host}:{port}: {e}")
+
+
 def heartbeat_options(f):
     f = click.option("--liveness", default=timing.LIVENESS, show_default=True,
                      type=click.IntRange(2, 100),
@@ -31,6 +50,51 @@ def heartbeat_options(f):
     return click.option("--heartbeat-interval", default=timing.HEARTBEAT_INTERVAL,
                         show_default=True, type=click.FloatRange(0.01, 60),
                         help="Seconds between heartbeats (broker and shards must agree).")(f)
+
+
+def curve_options(role: str):
+    """CURVE options for a ``role`` ("broker", "shard" or "client"); the command receives
+    ``curve``: a :class:`~gradbus.codecs.security.Curve`, or None with CURVE off. The broker
+    takes its key pair and an allow directory, every other role its key pair and the broker's
+    public key. Each option reads its ``[security]`` setting's variable, with or without
+    ``--config``."""
+    def option(flag: str, key: str, path: click.Path, metavar: str, help: str):
+        return click.option(flag, type=path, default=None, metavar=metavar, help=help,
+                            envvar=config.BY_KEY[key].envvars, show_envvar=True)
+
+    def decorate(f):
+        @functools.wraps(f)
+        def run(*args, curve_secret=None, curve_server_key=None, curve_allow=None, **kw):
+            return f(*args, curve=_curve(role, curve_secret, curve_server_key, curve_allow),
+                     **kw)
+        if role == "broker":
+            run = option("--curve-allow", "security.curve_allow", click.Path(file_okay=False),
+                         "DIR", "With --curve-secret: directory of the public key files "
+                                "(NAME.key) of the shards and clients the broker admits.")(run)
+        else:
+            run = option("--curve-server-key", "security.curve_server_key",
+                         click.Path(dir_okay=False), "FILE",
+                         "The broker's CURVE public key file (NAME.key).")(run)
+        return option("--curve-secret", "security.curve_secret", click.Path(dir_okay=False),
+                      "FILE", "This process's CURVE secret key file (NAME.key_secret; unset: "
+                              "CURVE off).")(run)
+    return decorate
+
+
+def _curve(role: str, secret, server_key, allow):
+    from gradbus.codecs import security
+    other, flag = (allow, "--curve-allow DIR") if role == "broker" else \
+        (server_key, "--curve-server-key FILE")
+    if secret is None:
+        if other is not None:
+            raise click.UsageError(f"{flag.split()[0]} needs --curve-secret FILE")
+        return None
+    if other is None:
+        raise click.UsageError(f"--curve-secret needs {flag}")
+    try:
+        return security.Curve.from_files(secret, server_key, allow)
+    except GradbusError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def _logging(verbose: int) -> None:
@@ -73,29 +137,44 @@ def main() -> None:
 @click.option("--fault-drop", default=0.0, type=click.FloatRange(0, 0.5), hidden=True,
               help="Testing: drop this fraction of pushes in and acks out (seeded).")
 @click.option("--fault-seed", default=0, type=int, hidden=True)
+@curve_options("broker")
+@metrics_options
 @click.option("-v", "--verbose", count=True)
 def broker(host, port, backend_port, events_port, partitions, batch_window, shard_credit,
            max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
-           verbose):
-    """Run a broker in the foreground. Prints 'listening: URL' when bound."""
+           verbose, curve, metrics_port, metrics_host):
+    """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
+    with --metrics-port)."""
     _logging(verbose)
     from gradbus.broker.server import BrokerServer
+    exporter = _exporter(metrics_port, metrics_host, "broker-metrics")
     try:
         srv = BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
                            partitions=partitions, batch_window=batch_window,
                            shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20,
                            replicas=replicas, heartbeat_interval=heartbeat_interval,
-                           liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed)
+                           liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed,
+                           curve=curve, on_metrics=exporter.update if exporter else None)
     except Exception as e:
+        if exporter:
+            exporter.close()
         raise click.ClickException(f"cannot start broker: {e}")
     _on_signals(srv.stop)
     click.echo(f"listening: {srv.url}", nl=True)
+    if exporter:
+        srv.core.metrics_url = exporter.url
+        click.echo(f"metrics: {exporter.url}")
     sys.stdout.flush()
-    srv.run()
+    try:
+        srv.run()
+    finally:
+        if exporter:
+            exporter.close()
+
 
 
 @config.config_option
-@main.command()
+@main.group(invoke_without_command=True)
 @broker_option
 @click.option("--id", "shard_id", default=None, help="Shard id (default: a random one).")
 @click.option("--weights-codec", default="raw", show_default=True,
@@ -106,23 +185,112 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
 @click.option("--fault-apply-delay", default=0.0, type=click.FloatRange(0, 10), hidden=True,
               help="Testing: sleep this long before each batch or snapshot (a slow shard).")
 @heartbeat_options
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Write checkpoints under DIR/<shard id>/ (off when unset).")
+@click.option("--checkpoint-interval", default=60.0, show_default=True,
+              type=click.FloatRange(0),
+              help="Seconds between checkpoints with --data-dir (0: only on request and at a "
+                   "clean stop).")
+@click.option("--checkpoint-keep", default=3, show_default=True, type=click.IntRange(1),
+              help="Checkpoints kept.")
+@click.option("--restore", "restore_path", type=click.Path(exists=True, file_okay=False),
+              default=None, help="Load this checkpoint directory before registering.")
+@curve_options("shard")
+@metrics_options
 @click.option("-v", "--verbose", count=True)
-def shard(broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay, heartbeat_interval,
-          liveness, verbose):
-    """Run a shard in the foreground; it needs only the broker's client URL."""
+@click.pass_context
+def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay,
+          heartbeat_interval, liveness, data_dir, checkpoint_interval, checkpoint_keep,
+          restore_path, verbose, curve, metrics_port, metrics_host):
+    """Run a shard in the foreground; it needs only the broker's client URL.
+    (`gradbus shard drain ID` moves everything off a running shard instead.)"""
+    if ctx.invoked_subcommand is not None:
+        return
     _logging(verbose)
     from gradbus.shards.server import ShardServer
     try:
         srv = ShardServer(broker_url, shard_id, weights_codec=weights_codec, nan_policy=nan_policy,
                           apply_delay=fault_apply_delay, heartbeat_interval=heartbeat_interval,
-                          liveness=liveness)
+                          liveness=liveness, data_dir=data_dir,
+                          checkpoint_interval=checkpoint_interval,
+                          checkpoint_keep=checkpoint_keep, restore=restore_path, curve=curve)
     except GradbusError as e:
         raise click.ClickException(str(e))
+    exporter = _exporter(metrics_port, metrics_host, f"{srv.shard_id}-metrics")
+    if exporter:
+        srv.on_metrics, srv.metrics_url = exporter.update, exporter.url
+        click.echo(f"metrics: {exporter.url}")
+        sys.stdout.flush()
     _on_signals(srv.stop)
     try:
         srv.run()
     except GradbusError as e:
         raise click.ClickException(str(e))
+    finally:
+        if exporter:
+            exporter.close()
+
+
+@shard.command("drain")
+@click.argument("shard_id")
+@broker_option
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the shard holds nothing and has stopped, showing progress.")
+@click.option("--timeout", default=600.0, show_default=True, type=float)
+@curve_options("client")
+def shard_drain(shard_id, broker_url, wait, timeout, curve):
+    """Move every partition off SHARD_ID (to the shards holding fewest bytes); the shard stops
+    once it holds nothing."""
+    from gradbus import admin
+    try:
+        res = admin.drain(broker_url, shard_id, curve=curve)
+        click.echo(f"draining {shard_id}: {res['partitions']} partitions to move")
+        if wait:
+            _follow_moves(broker_url, curve, timeout, until_gone=shard_id)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+
+
+@main.command()
+@broker_option
+@click.option("--wait/--no-wait", default=True, show_default=True,
+              help="Wait until the moves are done, showing progress.")
+@click.option("--timeout", default=600.0, show_default=True, type=float)
+@curve_options("client")
+def rebalance(broker_url, wait, timeout, curve):
+    """Even out parameter bytes per shard by moving partitions while training goes on."""
+    from gradbus import admin
+    try:
+        res = admin.rebalance(broker_url, curve=curve)
+        click.echo(f"rebalance: {res['moves_started']} moves started")
+        if wait:
+            _follow_moves(broker_url, curve, timeout)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+
+
+def _follow_moves(url, curve, timeout: float, until_gone: str | None = None) -> None:
+    """Print moves as they finish until none is in progress (and ``until_gone`` has stopped)."""
+    import time
+    from gradbus import admin
+    deadline, seen = time.monotonic() + timeout, set()
+    while True:
+        st = admin.status(url, curve=curve)
+        for m in st["moves"]:
+            key = (m["p"], m["at"])
+            if key not in seen:
+                seen.add(key)
+                click.echo(f"  moved partition {m['p']:>5} {m['from']} -> {m['to']}  "
+                           f"{_fmt_bytes(m['bytes'])} in {m['seconds']:.3f}s")
+        gone = until_gone is None or not any(
+            s["alive"] for s in st["shards"] if s["id"] == until_gone)
+        if not st["moves_in_progress"] and gone and not st.get("draining"):
+            click.echo("done")
+            return
+        if time.monotonic() > deadline:
+            raise click.ClickException(f"still {len(st['moves_in_progress'])} moves after "
+                                       f"{timeout:.0f}s")
+        time.sleep(0.2)
 
 
 @config.config_option
@@ -134,7 +302,13 @@ def shard(broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay, he
 @click.option("--partitions", default=DEFAULT_PARTITIONS, show_default=True,
               type=click.IntRange(1, 65535))
 @replicas_option
-def up(shards, port, host, partitions, replicas):
+@click.option("--curve", "curve_dir", type=click.Path(file_okay=False), default=None,
+              metavar="DIR", help="CURVE on: generate (or reuse) broker, shard and client keys "
+                                  "in DIR; clients use DIR/client.key_secret and DIR/broker.key.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Prometheus metrics: the broker on PORT, shard i on PORT+1+i (0: free ports; "
+                   "unset: off). `gradbus status --json` lists every URL.")
+def up(shards, port, host, partitions, replicas, curve_dir, metrics_port):
     """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM."""
     from gradbus.cluster import LocalCluster
     stop = threading.Event()
@@ -143,14 +317,26 @@ def up(shards, port, host, partitions, replicas):
     if replicas > shards:
         raise click.BadParameter(f"{replicas} replicas need at least as many shards "
                                  f"(--shards {shards})", param_hint="--replicas")
-    cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False,
-                           replicas=replicas, broker_args=forward, shard_args=forward)
+    try:
+        cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False,
+                               replicas=replicas, broker_args=forward, shard_args=forward,
+                               curve_dir=curve_dir, metrics_port=metrics_port)
+    except (GradbusError, OSError) as e:
+        raise click.ClickException(str(e))
+    _run_cluster(cluster, stop)
+
+
+def _run_cluster(cluster, stop: threading.Event) -> None:
+    """Start a local cluster, say 'ready: URL', and keep it until a signal or its broker ends."""
     try:
         cluster.start()
     except GradbusError as e:
         raise click.ClickException(str(e))
     try:
         click.echo(f"ready: {cluster.url}")
+        if getattr(cluster, "keys", None) is not None:
+            click.echo(f"curve: clients use --curve-secret {cluster.keys.path('client', True)} "
+                       f"--curve-server-key {cluster.keys.path('broker')}")
         sys.stdout.flush()
         while not stop.wait(0.5):
             dead = [n for n, p in cluster.shard_procs.items() if p.poll() is not None]
@@ -163,6 +349,116 @@ def up(shards, port, host, partitions, replicas):
     finally:
         cluster.stop()
         click.echo("stopped")
+
+
+def _parse_time(value: str | None) -> float | None:
+    """Unix seconds, or an ISO 8601 date-time (local time unless it names a zone)."""
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    import datetime
+    try:
+        return datetime.datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither unix seconds nor an ISO 8601 time",
+                                 param_hint="--at") from None
+
+
+@main.command()
+@click.option("--from", "source", required=True, type=click.Path(exists=True, file_okay=False),
+              help="A data directory shards checkpointed into (DIR/<shard id>/ckpt-...).")
+@click.option("--at", "at", default=None,
+              help="Restore each shard's newest checkpoint taken at or before this time "
+                   "(unix seconds or ISO 8601; default: the newest).")
+@click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--partitions", default=DEFAULT_PARTITIONS, show_default=True,
+              type=click.IntRange(1, 65535), help="Must match the checkpointed cluster's.")
+@replicas_option
+@click.option("--data-dir", default=None, type=click.Path(file_okay=False),
+              help="Where the restored shards write new checkpoints (default: --from).")
+@click.option("--dry-run", is_flag=True, help="Print what would be restored and exit.")
+def restore(source, at, port, host, partitions, replicas, data_dir, dry_run):
+    """Start a local cluster from checkpoints: one shard per checkpointed shard id, each loading
+    its newest checkpoint at or before --at, in the foreground until Ctrl-C or SIGTERM."""
+    from gradbus.cluster import LocalCluster
+    from gradbus.shards import checkpoint
+    when = _parse_time(at)
+    chosen = {}
+    for sid in checkpoint.shards_in(source):
+        ck = checkpoint.newest(source, sid, when)
+        if ck is not None:
+            chosen[sid] = ck
+    if not chosen:
+        raise click.ClickException(f"no checkpoint in {source}"
+                                   + (f" taken at or before {at}" if at else ""))
+    import datetime
+    for sid, ck in sorted(chosen.items()):
+        stamp = datetime.datetime.fromtimestamp(ck.time).isoformat(timespec="milliseconds")
+        click.echo(f"{sid:<16} {stamp}  {len(ck.partitions):>4} partitions  {ck.path}")
+    if dry_run:
+        return
+    stop = threading.Event()
+    _on_signals(stop.set)
+    ddir = data_dir or source
+    cluster = LocalCluster(len(chosen), port=port, host=host, partitions=partitions, quiet=False,
+                           replicas=replicas, shard_ids=sorted(chosen),
+                           shard_extra={sid: ["--restore", ck.path, "--data-dir", ddir]
+                                        for sid, ck in chosen.items()})
+    _run_cluster(cluster, stop)
+
+
+@main.command("checkpoint")
+@broker_option
+@curve_options("client")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("--timeout", default=60.0, show_default=True, type=float)
+def checkpoint_cmd(broker_url, as_json, timeout, curve):
+    """Have every shard write a checkpoint now; prints where each went."""
+    from gradbus import admin
+    try:
+        replies = admin.checkpoint(broker_url, timeout, curve=curve)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+    if as_json:
+        click.echo(json.dumps(replies, indent=2, sort_keys=True))
+    else:
+        click.echo(f"{'SHARD':<16}{'PARTITIONS':>11}  PATH")
+        for r in replies:
+            click.echo(f"{r['shard']:<16}{r.get('partitions', 0):>11}  "
+                       + (r.get("path") or f"FAILED: {r.get('error')}"))
+    if any(r.get("error") for r in replies):
+        sys.exit(1)
+
+
+@main.command()
+@broker_option
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+@click.option("--all", "show_all", is_flag=True, help="Also list partitions holding nothing.")
+@click.option("--timeout", default=5.0, show_default=True, type=float)
+@curve_options("client")
+def partitions(broker_url, as_json, show_all, timeout, curve):
+    """The partition table: primary, standbys, epoch and seq of every placed partition."""
+    from gradbus import admin
+    try:
+        t = admin.partitions(broker_url, timeout, curve=curve)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+    rows = [{"p": p, "primary": o, "standbys": t["standbys"][p], "syncing": t["syncing"][p],
+             "epoch": t["epochs"][p], "seq": t["seqs"][p], "down": p in t["down"]}
+            for p, o in enumerate(t["owners"]) if o or show_all]
+    if as_json:
+        click.echo(json.dumps({"version": t["version"], "partitions": rows}, indent=2))
+        return
+    click.echo(f"{'PARTITION':>9}  {'PRIMARY':<16}{'STANDBYS':<28}{'EPOCH':>6}{'SEQ':>10}  STATE")
+    for r in rows:
+        state = "DOWN" if r["down"] else ("syncing " + ",".join(r["syncing"]) if r["syncing"]
+                                          else "ok")
+        click.echo(f"{r['p']:>9}  {r['primary'] or '-':<16}{','.join(r['standbys']) or '-':<28}"
+                   f"{r['epoch']:>6}{r['seq']:>10}  {state}")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -178,11 +474,12 @@ def _fmt_bytes(n: float) -> str:
 @broker_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON.")
 @click.option("--timeout", default=5.0, show_default=True, type=float)
-def status(broker_url, as_json, timeout):
+@curve_options("client")
+def status(broker_url, as_json, timeout, curve):
     """Shards, partitions, workers, tensor versions and counters of a running cluster."""
     from gradbus import admin
     try:
-        st = admin.status(broker_url, timeout)
+        st = admin.status(broker_url, timeout, curve=curve)
     except GradbusError as e:
         raise click.ClickException(str(e))
     if as_json:
@@ -211,6 +508,25 @@ def status(broker_url, as_json, timeout):
     for t in st["tensors"]:
         click.echo(f"{t['name']:<24}{t['dtype']:<9}{str(tuple(t['shape'])):<18}{t['blocks']:>7}"
                    f"{t['version']:>9}  {t['optimizer']}")
+
+
+@config.config_option
+@main.command()
+@broker_option
+@click.option("--interval", default=1.0, show_default=True, type=click.FloatRange(0.05, 60),
+              help="Seconds between refreshes (and between the two samples of --once).")
+@click.option("--once", is_flag=True, help="Print one frame from two samples and exit.")
+@curve_options("client")
+def top(broker_url, interval, once, curve):
+    """A live dashboard of a running cluster: rates, lag, bytes, errors. q or Ctrl-C quits."""
+    from gradbus import top as dashboard
+    try:
+        if once:
+            dashboard.once(broker_url, interval, curve=curve)
+        else:
+            dashboard.run(broker_url, interval, curve=curve)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
 
 
 @config.config_option
@@ -267,6 +583,28 @@ def worker_cmd(broker_url, index, workers, epochs, codec, seed, error_feedback, 
     from gradbus import demo as demo_mod
     demo_mod.worker_main(broker_url, index, workers, epochs, codec, seed, error_feedback,
                          accumulate, optimizer)
+
+
+@main.group()
+def keys() -> None:
+    """CURVE key files (CurveZMQ authentication and encryption)."""
+
+
+@keys.command("generate")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.option("--name", default="gradbus", show_default=True,
+              help="File name: writes DIRECTORY/NAME.key and DIRECTORY/NAME.key_secret.")
+@click.option("--force", is_flag=True, help="Replace existing files of that name.")
+def keys_generate(directory, name, force):
+    """Write a CURVE key pair in pyzmq's format: NAME.key (public: give it to the broker's
+    allow directory, or to clients for the broker's key) and NAME.key_secret (mode 0600)."""
+    from gradbus.codecs import security
+    try:
+        public, secret = security.generate(directory, name, force)
+    except (GradbusError, OSError) as e:
+        raise click.ClickException(str(e))
+    click.echo(f"public key: {public}")
+    click.echo(f"secret key: {secret} (mode 0600)")
 
 
 main.add_command(config.config_group)

@@ -147,14 +147,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shard", "nan_policy", click.Choice(["refuse", "allow"]), "refuse",
             "What to do with a gradient holding NaN or Inf.", feeds=("shard --nan-policy",)),
     Setting("shard", "data_dir", PATH, None,
-            "Checkpoint directory (unset: no checkpoints)."),
+            "Checkpoint directory (unset: no checkpoints).", feeds=("shard --data-dir",)),
     Setting("shard", "checkpoint_interval", click.FloatRange(0), 60.0,
-            "Seconds between checkpoints of each partition (0: only on shutdown)."),
+            "Seconds between checkpoints with a data directory (0: only on request and at a "
+            "clean stop).", feeds=("shard --checkpoint-interval",)),
     Setting("shard", "checkpoint_keep", click.IntRange(1), 3,
-            "Checkpoints kept per partition."),
+            "Checkpoints kept per shard.", feeds=("shard --checkpoint-keep",)),
     # [client]
     Setting("client", "broker", BROKER_URL, net.DEFAULT_BROKER, "The broker's client URL.",
-            feeds=("shard --broker", "status --broker", "worker --broker"),
+            feeds=("shard --broker", "status --broker", "top --broker", "worker --broker"),
             env_aliases=("GRADBUS_BROKER",)),
     Setting("client", "window", click.IntRange(1), DEFAULT_WINDOW,
             "Unacknowledged pushes per client."),
@@ -162,14 +163,26 @@ SETTINGS: tuple[Setting, ...] = (
             "Bytes of unacknowledged pushes per client (one larger push may go alone)."),
     # [security]
     Setting("security", "curve_secret", PATH, None,
-            "This process's CURVE secret key file (unset: CURVE off)."),
+            "This process's CURVE secret key file, NAME.key_secret (unset: CURVE off).",
+            feeds=("broker --curve-secret", "shard --curve-secret", "status --curve-secret",
+                   "top --curve-secret")),
     Setting("security", "curve_server_key", PATH, None,
-            "The broker's CURVE public key file, for clients and shards."),
+            "The broker's CURVE public key file, NAME.key, for shards and clients.",
+            feeds=("shard --curve-server-key", "status --curve-server-key",
+                   "top --curve-server-key")),
     Setting("security", "curve_allow", PATH, None,
-            "Directory of the public key files of clients the broker admits."),
+            "Directory of the public key files (NAME.key) of the shards and clients the "
+            "broker admits.", feeds=("broker --curve-allow",)),
     # [metrics]
-    Setting("metrics", "port", PORT, 0, "The broker's Prometheus metrics port (0: off)."),
-    Setting("metrics", "shard_port", PORT, 0, "A shard's Prometheus metrics port (0: off)."),
+    Setting("metrics", "port", PORT, None,
+            "The broker's Prometheus metrics port (0: a free one; unset: off); with up, the "
+            "first of the cluster's ports.", feeds=("broker --metrics-port", "up --metrics-port")),
+    Setting("metrics", "shard_port", PORT, None,
+            "A shard's Prometheus metrics port (0: a free one; unset: off).",
+            feeds=("shard --metrics-port",)),
+    Setting("metrics", "host", click.STRING, "127.0.0.1",
+            "Address the metrics endpoints bind.", feeds=("broker --metrics-host",
+                                                          "shard --metrics-host")),
 )
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}

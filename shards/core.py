@@ -16,7 +16,9 @@ import logging
 
 import numpy as np
 
-from gradbus.codecs import net, wire
+import time
+
+from gradbus.codecs import net, stats, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import TensorLayout
 
@@ -49,6 +51,8 @@ class ShardCore:
         self.installing: dict[int, list] = {}
         self.stats = {"batches": 0, "pushes_applied": 0, "pushes_refused": 0, "snapshots": 0,
                       "errors": 0, "syncs": 0, "states_sent": 0, "dropped": 0}
+        self.h_apply = stats.Histogram()                     # seconds per batch message
+        self.h_pushes = stats.Histogram(stats.COUNT_BUCKETS)  # gradients summed per key
 
     # -- entry point -------------------------------------------------------------------------
     def handle(self, frames: list, header: dict | None = None) -> list[list]:
@@ -100,6 +104,7 @@ class ShardCore:
         return buf
 
     def _batch(self, h: dict, descs, frames) -> list:
+        t0 = time.perf_counter()
         out_parts, tail = [], []
         for part in h["parts"]:
             held = self.installing.get(int(part["p"]))
@@ -110,6 +115,7 @@ class ShardCore:
             out_parts.append(res)
             tail.extend(pub)
         self.stats["batches"] += 1
+        self.h_apply.observe(time.perf_counter() - t0)
         return [wire.pack(wire.APPLIED, parts=out_parts, shard=self.shard_id), *tail]
 
     def _apply_part(self, part, descs, frames):
@@ -141,6 +147,10 @@ class ShardCore:
                     vals = g[1]
                     if self.nan_policy == "refuse" and not np.isfinite(vals).all():
                         raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
+                    if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
+                        self.stats["duplicates_skipped"] = self.stats.get(
+                            "duplicates_skipped", 0) + 1
+                        continue    # applied before (a resend through a restarted broker)
                     sums.setdefault(desc.key, []).append((*g, desc.count))
                 elif op == "init":
                     layout = TensorLayout.from_wire(ent["layout"])
@@ -160,6 +170,7 @@ class ShardCore:
                 errors.append([idx, Code.BAD_FIELD.value, f"bad entry: {e}"])
         be = self.backend
         for key, grads in sums.items():
+            self.h_pushes.observe(len(grads))
             blk = self.store.blocks[key]
             dense = [be.asarray(v) for idx, v, _ in grads if idx is None]
             sparse = [(be.asarray(idx), be.asarray(v)) for idx, v, _ in grads if idx is not None]
@@ -267,16 +278,27 @@ class ShardCore:
                 bufs.append(buf)
         self.stats["states_sent"] += 1
         return [wire.pack(wire.STATE, descs, p=p, to=to, seq=pst.seq, epoch=pst.epoch,
-                          blocks=metas), *bufs]
+                          blocks=metas, recent=[list(r) for r in pst.recent]), *bufs]
 
     def _install(self, h: dict, descs, frames) -> list:
         """Replace partition ``p`` with the state a primary exported at seq S, then apply the
         batches held back since ADOPT (those after S); answer SYNCED."""
-        p, seq, epoch = int(h["p"]), int(h["seq"]), int(h["epoch"])
+        p = int(h["p"])
         held = self.installing.pop(p, None)
         if held is None:
             log.warning("state for partition %d that was not adopted: ignored", p)
             return []
+        seq = self.install_state(h, descs, frames)
+        for part, bdescs, bframes in held:
+            if int(part["seq"]) > seq:
+                self._apply_part(part, bdescs, bframes)
+        self.stats["syncs"] += 1
+        return [[wire.pack(wire.SYNCED, p=p, seq=self.store.partition(p).seq)]]
+
+    def install_state(self, h: dict, descs, frames) -> int:
+        """Replace partition ``h['p']`` with an exported state (from a primary, or a
+        checkpoint); returns its seq."""
+        p, seq, epoch = int(h["p"]), int(h["seq"]), int(h["epoch"])
         for key in self.store.drop(p):
             self._accs.pop(key, None)
         pst = self.store.partition(p)
@@ -294,11 +316,30 @@ class ShardCore:
             blk.state.update(meta["scalars"])
             blk.version = int(meta["version"])
         pst.seq, pst.epoch = seq, epoch
-        for part, bdescs, bframes in held:
-            if int(part["seq"]) > seq:
-                self._apply_part(part, bdescs, bframes)
-        self.stats["syncs"] += 1
-        return [[wire.pack(wire.SYNCED, p=p, seq=pst.seq)]]
+        for r in h.get("recent") or []:
+            if isinstance(r, list) and len(r) == 3:
+                pst.recent[tuple(r)] = None
+        return seq
+
+    def states(self) -> list[list]:
+        """Every settled partition's STATE message (for a checkpoint)."""
+        return [self._export(p, "") for p in sorted(self.store.partitions)
+                if p not in self.installing]
+
+    def register_fields(self) -> dict:
+        """What REGISTER tells the broker: the partitions held with their (epoch, seq), and
+        the tensors and block versions they hold, so a restarted broker can rebuild its
+        table and catalog from its shards."""
+        st = self.store.partitions
+        ps = [p for p in sorted(st) if p not in self.installing]
+        tensors, blocks = {}, []
+        for p in ps:
+            for key in sorted(st[p].keys):
+                blk = self.store.blocks[key]
+                tensors.setdefault(blk.layout.name, {**blk.layout.to_wire(), "opt": blk.opt})
+                blocks.append([key, blk.version])
+        return {"holds": [[p, st[p].epoch, st[p].seq] for p in ps],
+                "tensors": list(tensors.values()), "blocks": blocks}
 
     def partition_digest(self, p: int) -> str:
         """A hash of partition ``p``: every block's value, version and optimizer state."""
@@ -331,6 +372,32 @@ class ShardCore:
     def info(self) -> dict:
         return {"keys": len(self.store.blocks), "bytes": self.store.nbytes,
                 "partitions": len(self.store.partitions), **self.stats}
+
+    def metrics(self) -> dict:
+        """A snapshot for the Prometheus exporter."""
+        st = self.stats
+        m = {f"gradbus_shard_{k}": stats.counter(help_, st.get(k, 0)) for k, help_ in (
+            ("batches", "Batch messages applied."),
+            ("pushes_applied", "Gradients applied."),
+            ("pushes_refused", "Gradients refused (bad shape, not finite, unknown key)."),
+            ("duplicates_skipped", "Gradients received again and not applied again."),
+            ("snapshots", "Snapshot requests served."),
+            ("syncs", "Partitions installed from a primary's state (catch-up)."),
+            ("states_sent", "Partition states exported to a catching-up standby."),
+            ("checkpoints", "Checkpoints written."),
+            ("errors", "Messages that failed validation or handling."))}
+        m["gradbus_shard_parameter_bytes"] = stats.gauge("Bytes of parameters held.",
+                                                         self.store.nbytes)
+        m["gradbus_shard_partitions"] = stats.gauge("Partitions held.",
+                                                    len(self.store.partitions))
+        m["gradbus_shard_partitions_catching_up"] = stats.gauge(
+            "Partitions being installed from a primary.", len(self.installing))
+        m["gradbus_shard_apply_seconds"] = stats.histogram(
+            "Time to apply one batch message (decode, sum, optimizer step, encode weights).",
+            self.h_apply)
+        m["gradbus_shard_batch_gradients"] = stats.histogram(
+            "Gradients summed into one optimizer step of a block.", self.h_pushes)
+        return m
 
     def digest(self, keys=None) -> str:
         """A hash of the held values, versions and partition seqs (equal state -> equal digest)."""

@@ -6,6 +6,7 @@ silent for ``LIVENESS`` intervals.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -13,9 +14,10 @@ import uuid
 
 import zmq
 
-from gradbus.codecs import net, timing, wire
-from gradbus.codecs.errors import Code, WireError
+from gradbus.codecs import net, security, timing, wire
+from gradbus.codecs.errors import Code, GradbusError, WireError
 
+from . import checkpoint
 from .core import ShardCore
 
 log = logging.getLogger("gradbus.shard")
@@ -26,8 +28,12 @@ DRAIN_MAX = 64
 class ShardServer:
     def __init__(self, broker_url: str, shard_id: str | None = None, *, clock=time.monotonic,
                  ctx: zmq.Context | None = None, hello_timeout: float = 30.0,
+                 curve: security.Curve | None = None,
                  heartbeat_interval: float = timing.HEARTBEAT_INTERVAL,
-                 liveness: int = timing.LIVENESS, apply_delay: float = 0.0, **core_kw):
+                 liveness: int = timing.LIVENESS, apply_delay: float = 0.0,
+                 data_dir: str | None = None, checkpoint_interval: float = 0.0,
+                 checkpoint_keep: int = 3, restore: str | None = None,
+                 on_metrics=None, metrics_url: str | None = None, **core_kw):
         net.split_url(broker_url)
         self.broker_url = broker_url
         self.shard_id = shard_id or f"shard-{uuid.uuid4().hex[:8]}"
@@ -36,6 +42,7 @@ class ShardServer:
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.hello_timeout = hello_timeout
+        self.curve = curve   # CURVE keys (this shard's pair, the broker's public key) or None
         self.hb_interval = heartbeat_interval
         self.liveness = liveness
         self.apply_delay = apply_delay   # fault injection: a slow shard (seconds per message)
@@ -43,27 +50,98 @@ class ShardServer:
         self.registered = threading.Event()
         self.sock = None
         self._registered_at = float("-inf")
+        if checkpoint_interval < 0 or checkpoint_keep < 1:
+            raise ValueError("checkpoint_interval must be >= 0 and checkpoint_keep >= 1")
+        self.on_metrics = on_metrics      # called with a metrics snapshot every interval
+        self.metrics_url = metrics_url    # announced in heartbeats (status lists it)
+        self.data_dir = data_dir
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_keep = checkpoint_keep
+        self._ckpt_thread: threading.Thread | None = None
+        self._ckpt_done: collections.deque = collections.deque()   # replies from the writer
+        self._ckpt_waiting: list[dict] = []      # CHECKPOINT requests for the running write
+        self.last_checkpoint: checkpoint.Checkpoint | None = None
+        if restore:
+            self.restore(restore)
+
+    def restore(self, path: str) -> None:
+        """Load a checkpoint directory (before registering: the broker learns the partitions,
+        tensors and versions from REGISTER)."""
+        ck = checkpoint._read_manifest(path)
+        if ck is None:
+            raise GradbusError(f"{path} is not a complete gradbus checkpoint")
+        for h, descs, frames in checkpoint.load(ck, self.core.max_tensor_bytes):
+            self.core.install_state(h, descs, frames)
+        log.info("%s restored %d partitions from %s", self.shard_id, len(ck.partitions), path)
+
+    # -- checkpoints: the state is copied in the loop (consistent at each partition's seq),
+    # written and fsynced by a thread, answered from the loop ----------------------------------
+    def _start_checkpoint(self, request: dict | None) -> None:
+        if request is not None:
+            if not self.data_dir:
+                self._reply_checkpoint(request, None, "this shard has no data directory "
+                                                      "(--data-dir)")
+                return
+            self._ckpt_waiting.append(request)
+        if self._ckpt_thread is not None or not self.data_dir:
+            return      # one write at a time; a request is answered by the next one
+        states = self.core.states()
+        waiting, self._ckpt_waiting = self._ckpt_waiting, []
+
+        def write():
+            try:
+                ck = checkpoint.write(self.data_dir, self.shard_id, states, self.checkpoint_keep)
+                self._ckpt_done.append((ck, None, waiting))
+            except OSError as e:
+                log.error("%s: checkpoint failed: %s", self.shard_id, e)
+                self._ckpt_done.append((None, f"checkpoint failed: {e}", waiting))
+        self._ckpt_thread = threading.Thread(target=write, name=f"gradbus-ckpt-{self.shard_id}",
+                                             daemon=True)
+        self._ckpt_thread.start()
+
+    def _checkpoint_replies(self) -> None:
+        while self._ckpt_done:
+            ck, err, waiting = self._ckpt_done.popleft()
+            self._ckpt_thread.join()
+            self._ckpt_thread = None
+            if ck is not None:
+                self.last_checkpoint = ck
+                self.core.stats["checkpoints"] = self.core.stats.get("checkpoints", 0) + 1
+            for req in waiting:
+                self._reply_checkpoint(req, ck, err)
+        if self._ckpt_waiting:
+            self._start_checkpoint(None)   # asked while the last one was being written
+
+    def _reply_checkpoint(self, req: dict, ck, err: str | None) -> None:
+        fields = {k: req[k] for k in ("client", "of") if k in req}
+        if ck is not None:
+            fields.update(path=ck.path, time=ck.time, partitions=len(ck.partitions))
+        else:
+            fields["error"] = err
+        self.sock.send(wire.pack(wire.CHECKPOINT_REPLY, req=req["req"], shard=self.shard_id,
+                                 **fields))
 
     def _connect(self) -> None:
         host, _ = net.split_url(self.broker_url)
-        welcome = net.hello(self.ctx, self.broker_url, "shard", self.hello_timeout)
+        welcome = net.hello(self.ctx, self.broker_url, "shard", self.hello_timeout,
+                            curve=self.curve)
         self.sock = self.ctx.socket(zmq.DEALER)
         net.tune(self.sock)
+        if self.curve is not None:
+            security.client_setup(self.sock, self.curve)
         self.sock.setsockopt(zmq.ROUTING_ID, self.shard_id.encode())
         self.sock.connect(net.url(host, welcome["backend"]))
         self._register()
 
     def _register(self) -> None:
         self._registered_at = self.clock()
-        st = self.core.store.partitions
         self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id,
-                                 holds=[[p, st[p].epoch, st[p].seq] for p in sorted(st)
-                                        if p not in self.core.installing]))
+                                 **self.core.register_fields()))
 
     def run(self) -> None:
         try:
             self._connect()
-            last_heard = last_sent = self.clock()
+            last_heard = last_sent = last_ckpt = last_info = self.clock()
             while not self.stopping.is_set():
                 if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
                     for _ in range(DRAIN_MAX):
@@ -87,6 +165,13 @@ class ShardServer:
                             if self.clock() - self._registered_at > self.hb_interval * self.liveness:
                                 self._register()
                             continue
+                        if kind == wire.CHECKPOINT:
+                            self._start_checkpoint(head)
+                            continue
+                        if kind == wire.STOP:     # drained: nothing left here
+                            log.info("%s drained; stopping", self.shard_id)
+                            self.stopping.set()
+                            break
                         if kind in (wire.HEARTBEAT, wire.ERROR):
                             if kind == wire.ERROR:
                                 log.warning("broker error: %s", head.get("message"))
@@ -105,9 +190,21 @@ class ShardServer:
                         if self.clock() - last_sent >= self.hb_interval:
                             break   # a slow shard still heartbeats between messages
                 now = self.clock()
-                if now - last_sent >= self.hb_interval:
-                    self.sock.send(wire.pack(wire.HEARTBEAT, info=self.core.info()))
-                    last_sent = now
+                if self._ckpt_done:
+                    self._checkpoint_replies()
+                if (self.checkpoint_interval and self.data_dir and self._ckpt_thread is None
+                        and now - last_ckpt >= self.checkpoint_interval):
+                    last_ckpt = now
+                    self._start_checkpoint(None)
+                if now - last_sent >= self.hb_interval or now - last_info >= self.hb_interval:
+                    # counters every interval, busy or not (status and top read them)
+                    info = self.core.info()
+                    if self.metrics_url:
+                        info["metrics_url"] = self.metrics_url
+                    self.sock.send(wire.pack(wire.HEARTBEAT, info=info))
+                    last_sent = last_info = now
+                    if self.on_metrics is not None:
+                        self.on_metrics(self.core.metrics())
                 if now - last_heard > self.hb_interval * self.liveness:
                     log.warning("%s: broker silent for %.2fs, reconnecting", self.shard_id,
                                 now - last_heard)
@@ -127,6 +224,14 @@ class ShardServer:
         self.stopping.set()
 
     def close(self) -> None:
+        if self._ckpt_thread is not None:
+            self._ckpt_thread.join()    # a checkpoint being written is finished, not torn
+        if self.data_dir and self.stopping.is_set():
+            try:    # a clean stop leaves a checkpoint of the final state
+                self.last_checkpoint = checkpoint.write(self.data_dir, self.shard_id,
+                                                        self.core.states(), self.checkpoint_keep)
+            except OSError as e:
+                log.error("%s: final checkpoint failed: %s", self.shard_id, e)
         if self.sock is not None:
             try:
                 self.sock.send(wire.pack(wire.BYE), zmq.NOBLOCK)

@@ -1,6 +1,7 @@
 """The parameter store: flat blocks of dense tensors, their optimizer state and versions."""
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -9,6 +10,9 @@ from gradbus.codecs import specs
 from gradbus.codecs.partition import TensorLayout, split_key
 
 from .optim import CPU, make_rule
+
+
+RECENT_WINDOW = 8192     # gradient identities remembered per partition
 
 
 @dataclass
@@ -59,6 +63,18 @@ class PartitionState:
     epoch: int = 0
     seq: int = 0                 # last batch seq applied
     keys: set = field(default_factory=set)
+    # (client, msg, key) of the gradients applied most recently: a push the broker forwards
+    # again (resent to a restarted broker, which forgot its duplicate window) applies once.
+    recent: OrderedDict = field(default_factory=OrderedDict)
+
+    def seen(self, ident: tuple) -> bool:
+        """Record a gradient's identity; True if it was already applied."""
+        if ident in self.recent:
+            return True
+        self.recent[ident] = None
+        if len(self.recent) > RECENT_WINDOW:
+            self.recent.popitem(last=False)
+        return False
 
 
 class ParameterStore:

@@ -130,6 +130,8 @@ def test_user_errors_are_clear(make_cluster):
             c.push({"w": np.array([1, np.nan, 0, 0], np.float32)}).result(10)
         c.push({"w": np.ones(4, np.float32)}).result(10)
         assert np.allclose(c.pull(["w"], min_version=1)["w"], -0.01)
+        me = [w for w in c.status()["workers"] if w["id"] == c.client_id.hex()]
+        assert me[0]["errors"] == {"NOT_FINITE": 1}      # refusals are counted per client
 
 
 def test_shard_killed_is_noticed_and_errors_are_clear(make_cluster):

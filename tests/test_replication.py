@@ -40,10 +40,8 @@ class RepRig(Rig):
             self.to_shard(a[1].decode(), a[2])
 
     def register(self, sid):
-        st = self.shards[sid].store.partitions
-        holds = [[p, st[p].epoch, st[p].seq] for p in sorted(st)]
         self.deliver(self.broker.on_backend(sid.encode(), [wire.pack(
-            wire.REGISTER, shard=sid, holds=holds)], self.now))
+            wire.REGISTER, shard=sid, **self.shards[sid].register_fields())], self.now))
 
     def tick(self, dt):
         self.now += dt

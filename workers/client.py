@@ -23,7 +23,7 @@ from concurrent.futures import Future
 import numpy as np
 import zmq
 
-from gradbus.codecs import net, specs, timing, wire
+from gradbus.codecs import net, security, specs, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError, ClosedError, Code,
                                    GradbusError, ShardUnavailableError, WireError, error_from)
@@ -41,6 +41,7 @@ SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried agai
 SNAPSHOT_RETRY_MAX = 30.0    # ... up to this
 RESEND_AFTER = 5.0           # seconds before an unacknowledged push or init is sent again,
 RESEND_MAX = 60.0            # ... doubling per try up to this (the broker applies it once)
+RECOVERING_RETRY = 0.2       # seconds before a push or init refused with RECOVERING is resent
 
 
 class Agent(threading.Thread):
@@ -88,12 +89,19 @@ class Agent(threading.Thread):
         self.dealer = self.ctx.socket(zmq.DEALER)
         net.tune(self.dealer)
         self.dealer.setsockopt(zmq.ROUTING_ID, c.client_id)
+        self.watch = None
+        if c.curve is not None:
+            security.client_setup(self.dealer, c.curve)
+            # a key refused later (revoked, then a reconnect) stops the client with that error
+            self.watch = security.HandshakeWatch(self.dealer, c.curve, c.url, limit=None)
         if c.curve_configure:
             c.curve_configure(self.dealer)
         self.dealer.connect(c.url)
         self.sub = self.ctx.socket(zmq.SUB)
         net.tune(self.sub)
         self.sub.rcvhwm = EVENTS_RCVHWM
+        if c.curve is not None:
+            security.client_setup(self.sub, c.curve)
         if c.curve_configure:
             c.curve_configure(self.sub)
         self.sub.connect(net.url(host, welcome["events"]))
@@ -105,11 +113,15 @@ class Agent(threading.Thread):
         poller = zmq.Poller()
         for s in (self.pipe_in, self.dealer, self.sub):
             poller.register(s, zmq.POLLIN)
+        if self.watch is not None:
+            poller.register(self.watch.mon, zmq.POLLIN)
         hb = wire.pack(wire.HEARTBEAT)
         last_hb = time.monotonic()
         try:
             while not self.stop_flag:
                 ready = dict(poller.poll(int(timing.HEARTBEAT_INTERVAL * 1000 / 2)))
+                if self.watch is not None and self.watch.mon in ready:
+                    self.watch.check()
                 if self.pipe_in in ready:
                     while True:
                         try:
@@ -139,11 +151,20 @@ class Agent(threading.Thread):
                 if now - last_hb >= timing.HEARTBEAT_INTERVAL:
                     self.dealer.send(hb)
                     last_hb = now
+        except security.SecurityError as e:
+            self.error = e
+            log.error("client stopped: %s", e)
         except BaseException as e:  # surface the failure to every waiter
             self.error = e
             log.exception("client agent failed")
         finally:
             err = self.error or ClosedError("client closed")
+            with self.c._lock:   # commands queued before the error was visible fail with it
+                for cmd in self.cmds:
+                    fut = cmd[-1] if cmd[0] in ("send", "track") else None
+                    if fut is not None and not fut.done():
+                        fut.set_exception(err)
+                self.cmds.clear()
             for f in self.futures.values():
                 if not f.done():
                     f.set_exception(err)
@@ -154,6 +175,8 @@ class Agent(threading.Thread):
                 self.dealer.send(wire.pack(wire.BYE), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
+            if self.watch is not None:
+                self.watch.close()
             for s in (self.dealer, self.sub, self.pipe_in):
                 s.close(linger=0)
 
@@ -260,6 +283,11 @@ class Agent(threading.Thread):
     def _settle_one(self, h: dict) -> None:
         msg = h["msg"]
         c = self.c
+        if h["kind"] == wire.ERROR and h["code"] == Code.RECOVERING.value and msg in self.unacked:
+            # a restarted broker still hearing from its shards: send it again shortly
+            self.unacked[msg][1] = time.monotonic() + RECOVERING_RETRY
+            c.stats["recovering_retries"] += 1
+            return
         self.unacked.pop(msg, None)
         fut = self.futures.pop(("msg", msg), None)
         with c._cond:
@@ -357,6 +385,12 @@ class Client:
     ...     c.init({"w": np.zeros(10, np.float32)}, optimizer=gradbus.SGD(lr=0.1))
     ...     c.push({"w": np.ones(10, np.float32)}).result()
     ...     w = c.pull(min_version=1)["w"]
+
+    ``curve``: a :class:`gradbus.Curve` (this client's key pair and the broker's public key)
+    for a broker with CURVE on; None reads them from ``$GRADBUS_SECURITY_CURVE_SECRET`` and
+    ``$GRADBUS_SECURITY_CURVE_SERVER_KEY`` when set; False: CURVE off. A broker that refuses
+    the key raises :class:`gradbus.SecurityError` at once. ``curve_configure(sock)`` is called
+    on every socket after that setup.
     """
 
     def __init__(self, url: str | None = None, *, client_id: bytes | str | None = None,
@@ -365,7 +399,8 @@ class Client:
                  max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, curve_configure=None,
                  error_feedback: bool = True, seed: int | None = None,
                  window_bytes: int = DEFAULT_WINDOW_BYTES,
-                 resend_after: float | None = RESEND_AFTER):
+                 resend_after: float | None = RESEND_AFTER,
+                 curve: security.Curve | bool | None = None):
         self.url = url or net.default_broker()
         host, _ = net.split_url(self.url)
         if window < 1 or window_bytes < 1:
@@ -383,6 +418,10 @@ class Client:
         self.codec = codec
         self.max_tensor_bytes = max_tensor_bytes
         self.curve_configure = curve_configure
+        # CURVE keys: given, else from $GRADBUS_SECURITY_CURVE_SECRET and _SERVER_KEY; False: off
+        self.curve = security.Curve.from_env() if curve is None else (curve or None)
+        if self.curve is not None and not isinstance(self.curve, security.Curve):
+            raise TypeError("curve must be a gradbus.Curve, False or None")
         self.stats = collections.Counter()
         # Message ids start from the wall clock in microseconds, so a worker restarted with the
         # same client_id never reuses an id the broker's duplicate window still remembers.
@@ -402,7 +441,8 @@ class Client:
         self._closed = False
         self.ctx = zmq.Context()
         try:
-            welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure)
+            welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure,
+                                curve=self.curve)
             self.partitions = welcome["partitions"]
             self.cache = WeightCache(self.partitions)
             self.cache.down = set(welcome.get("down") or [])
@@ -417,6 +457,8 @@ class Client:
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedError("client is closed")
+        if isinstance(self.agent.error, security.SecurityError):   # the broker refused us
+            raise security.SecurityError(self.agent.error.args[0])
         if self.agent.error is not None:
             raise GradbusError(f"client I/O thread failed: {self.agent.error!r}")
 
@@ -772,7 +814,10 @@ class Client:
         finally:
             with self._lock:
                 self._closed = True
-                self.agent.submit(("stop",))
+                try:
+                    self.agent.submit(("stop",))
+                except zmq.Again:
+                    pass   # the agent has stopped already (it failed): nothing reads the pipe
             self.agent.join(timeout=5)
             self.agent.pipe_out.close(linger=0)
             self.ctx.term()

@@ -1,0 +1,177 @@
+"""Shards added and drained at runtime: partitions move (catch-up, then the owner flips with a
+new epoch) while pushes go on; nothing is lost or applied twice."""
+from __future__ import annotations
+
+import numpy as np
+
+import gradbus
+from gradbus import admin
+from gradbus.codecs import wire
+from gradbus.shards.core import ShardCore
+
+from .conftest import wait_for
+from .test_replication import RepRig
+from .test_state_machines import init_msg, push_msg, unpack
+
+LR = 2.0 ** -6
+
+
+def _tensor(rig, n=64, name="w"):
+    frames, layout = init_msg(1, name, np.zeros(n, np.float32))
+    rig.client(b"c", frames)
+    rig.replies(b"c")
+    return layout
+
+
+def _value(rig, layout):
+    b = rig.broker
+    out = []
+    for key in layout.block_keys():
+        from gradbus.codecs.partition import partition_of
+        p = partition_of(key, 16)
+        out.append(rig.shards[b.owners[p]].store.blocks[key].value)
+    return np.concatenate(out)
+
+
+def test_a_new_shard_gets_a_share_and_moves_keep_every_push():
+    rig = RepRig(("s0",))
+    layout = _tensor(rig)
+    m = 2
+    for _ in range(5):
+        rig.client(b"c", push_msg(m, layout, np.ones(64, np.float32)))
+        m += 1
+    before = rig.broker.shards["s0"].bytes
+    rig.shards["s1"] = ShardCore("s1")
+    rig.register("s1")
+    assert rig.broker.rebalance_wanted
+    rig.intercept = lambda sid, kind: sid == "s1" and kind == "state"   # states in transit
+    rig.tick(0.01)
+    moving = dict(rig.broker.moves)
+    assert moving and all(mv["to"] == "s1" for mv in moving.values())
+    for _ in range(3):                                 # pushes while partitions move
+        rig.client(b"c", push_msg(m, layout, np.ones(64, np.float32)))
+        m += 1
+    rig.intercept = None
+    rig.release("s1")
+    for p in moving:
+        assert rig.broker.owners[p] == "s1" and rig.broker.epochs[p] == 2
+        assert p not in rig.shards["s0"].store.partitions      # dropped at the source
+    assert rig.broker.shards["s1"].bytes > 0 and rig.broker.shards["s0"].bytes < before
+    for _ in range(2):
+        rig.client(b"c", push_msg(m, layout, np.ones(64, np.float32)))
+        m += 1
+    acks = [r for r in rig.replies(b"c") if r["kind"] == "ack"]
+    assert len(acks) == 10
+    assert np.array_equal(_value(rig, layout), np.full(64, -0.5 * 10, np.float32))
+    assert len(rig.broker.move_log) == len(moving)
+    rig.broker.validate_state()
+
+
+def test_drain_moves_everything_off_then_stops_the_shard():
+    rig = RepRig(("s0", "s1"), auto_rebalance=False)
+    layout = _tensor(rig, n=128)
+    for m in range(2, 6):
+        rig.client(b"c", push_msg(m, layout, np.ones(128, np.float32)))
+    held = set(rig.broker.shards["s0"].partitions)
+    assert held
+    stops = []
+    orig = rig.to_shard
+
+    def spy(sid, frames):
+        if unpack(frames[0])["kind"] == "stop":
+            stops.append(sid)
+            return
+        orig(sid, frames)
+    rig.to_shard = spy
+    rig.deliver(rig.broker.on_frontend(b"ops", [wire.pack(wire.ADMIN, req=1, op="drain",
+                                                          shard="s0")], 0))
+    for _ in range(3):
+        rig.tick(0.01)
+    assert rig.broker.shards["s0"].partitions == set() and stops == ["s0"]
+    assert all(rig.broker.owners[p] == "s1" for p in held)
+    rig.client(b"c", push_msg(9, layout, np.ones(128, np.float32)))
+    assert np.array_equal(_value(rig, layout), np.full(128, -0.5 * 5, np.float32))
+    rig.broker.validate_state()
+
+
+def test_draining_the_only_shard_is_refused():
+    rig = RepRig(("s0",))
+    _tensor(rig)
+    rig.deliver(rig.broker.on_frontend(b"ops", [wire.pack(wire.ADMIN, req=1, op="drain",
+                                                          shard="s0")], 0))
+    assert rig.replies(b"ops")[0]["code"] == "BAD_REQUEST"
+
+
+def test_grow_to_three_shrink_to_two_known_answer_and_digests(make_cluster):
+    """Training starts on 1 shard, grows to 3 and shrinks to 2 while it runs; the final weights
+    are exact (SGD) and every partition's digest equals a run that never moved anything."""
+    n_push = 150
+    w0 = (np.arange(20000) % 64 / 64).astype(np.float32)   # every step exact in float32
+    fast = ["--heartbeat-interval", "0.1", "--liveness", "5"]
+
+    def train(cluster, grow):
+        with gradbus.connect(cluster.url, block_bytes=4096) as c:
+            c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+            for i in range(n_push):
+                c.push({"w": np.ones_like(w0)}, acks=1)
+                if grow and i == 30:
+                    cluster.add_shard("shard-1")
+                    cluster.add_shard("shard-2")
+                if grow and i == 80:
+                    wait_for(lambda: admin.status(cluster.url)["counters"].get("moves", 0) > 0,
+                             20, "partitions to move to the new shards")
+                    admin.drain(cluster.url, "shard-0")
+            c.flush(30)
+            if grow:
+                wait_for(lambda: _settled(cluster.url), 30, "the drain to finish")
+            w = c.pull(["w"], min_version=n_push, timeout=30)["w"]
+            return w, admin.digest(cluster.url)
+
+    moving = make_cluster(1, broker_args=fast, shard_args=fast)
+    w_moved, d_moved = train(moving, True)
+    static = make_cluster(1)
+    w_static, d_static = train(static, False)
+    assert np.array_equal(w_moved, w0 - n_push * LR) and np.array_equal(w_moved, w_static)
+    st = admin.status(moving.url)
+    alive = sorted(s["id"] for s in st["shards"] if s["alive"])
+    assert alive == ["shard-1", "shard-2"] and st["counters"]["moves"] > 0
+    assert st["counters"]["pushes_applied"] == n_push
+    flat = lambda d: {p: v[1] for parts in d.values() for p, v in parts.items()}  # noqa: E731
+    assert flat(d_moved) == flat(d_static)     # same values, versions and optimizer state
+    # the moves are logged: partition, from, to, seconds
+    assert all(m["to"] in ("shard-1", "shard-2") for m in st["moves"])
+
+
+def _settled(url):
+    st = admin.status(url)
+    return (not st["moves_in_progress"]
+            and [s["alive"] for s in st["shards"] if s["id"] == "shard-0"] == [False])
+
+
+def test_rebalance_and_drain_commands(make_cluster):
+    import subprocess
+    import sys
+    cluster = make_cluster(2, broker_args=["--heartbeat-interval", "0.1", "--liveness", "5"])
+    w0 = np.zeros(40000, np.float32)
+    with gradbus.connect(cluster.url, block_bytes=4096) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        c.push({"w": np.ones_like(w0)}).result(10)
+        cluster.add_shard("shard-2")
+        cluster.wait_ready(3)
+
+        def cli(*args):
+            return subprocess.run([sys.executable, "-m", "gradbus", *args, "--broker",
+                                   cluster.url], capture_output=True, text=True, timeout=120)
+        r = cli("rebalance")
+        assert r.returncode == 0 and r.stdout.strip().endswith("done"), r.stdout + r.stderr
+        st = admin.status(cluster.url)
+        assert {s["id"]: s["bytes"] > 0 for s in st["shards"]}["shard-2"]
+        r = cli("shard", "drain", "shard-0")
+        assert r.returncode == 0 and "draining shard-0" in r.stdout and r.stdout.strip(
+        ).endswith("done"), r.stdout + r.stderr
+        st = admin.status(cluster.url)
+        assert [s["alive"] for s in st["shards"] if s["id"] == "shard-0"] == [False]
+        c.push({"w": np.ones_like(w0)}).result(10)
+        assert np.array_equal(c.pull(["w"], min_version=2, timeout=20)["w"], w0 - 2 * LR)
+        r = cli("shard", "drain", "nope")
+        assert r.returncode != 0 and "no live shard" in r.stderr

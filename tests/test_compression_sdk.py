@@ -102,3 +102,15 @@ def test_back_pressure_keeps_error_feedback_and_held_back_sums(make_cluster):
         c.flush()
         total = -c.pull(["w"], min_version=5)["w"] + c._residual["w/0"]
         np.testing.assert_allclose(total, np.full(64, 5.0))   # 1 (topk + residual) + 4 ones
+
+
+def test_a_refused_accumulated_sum_is_raised_by_flush_not_lost(make_cluster):
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(4, np.float32)})
+        c.accumulate(every=8)
+        c.push({"w": np.array([1, np.nan, 0, 0], np.float32)})   # held back locally
+        with pytest.raises(gradbus.GradbusError, match="NOT_FINITE"):
+            c.flush()
+        with pytest.raises(gradbus.UnknownKeyError):
+            c.version("never-pulled")

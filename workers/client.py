@@ -290,8 +290,6 @@ class Agent(threading.Thread):
             return
         self.unacked.pop(msg, None)
         fut = self.futures.pop(("msg", msg), None)
-        with c._cond:
-            c._credit_held.pop(msg, None)   # returns the push's credit (waiters are notified below)
         if h["kind"] == wire.ERROR:
             c.stats["push_errors"] += 1
             err = error_from(h["code"], h["message"])
@@ -305,6 +303,9 @@ class Agent(threading.Thread):
             if fut is not None and not fut.done():
                 fut.set_result(h)
         with c._cond:
+            # the credit returns last: flush() never ends before the Future (or the error a
+            # later push() raises) is settled
+            c._credit_held.pop(msg, None)
             c._cond.notify_all()
 
     def _blocks(self, h: dict, frames, keep=None) -> list:
@@ -776,14 +777,24 @@ class Client:
         return not self._broker_silent
 
     def version(self, name: str) -> int:
-        """Gradients applied to ``name`` in the freshest weights this client holds."""
-        return self.cache.version(name)
+        """Gradients applied to ``name`` in the freshest weights this client holds (-1 until it
+        holds every block). UnknownKeyError for a name this client does not follow."""
+        try:
+            return self.cache.version(name)
+        except KeyError:
+            raise error_from(Code.UNKNOWN_KEY.value,
+                             f"{name!r} is not followed by this client (pull it first)") from None
 
     def flush(self, timeout: float | None = None) -> None:
         """Send what local accumulation holds back, then wait until every push sent so far is
         acknowledged (applied or refused)."""
-        if self._acc:
-            self._flush_accumulated()
+        held = self._flush_accumulated() if self._acc else []
+        self._wait_acked(timeout)
+        for f in held:   # what accumulation held back was refused: say so here, not silently
+            if f.done() and f.exception() is not None:
+                raise f.exception()
+
+    def _wait_acked(self, timeout: float | None) -> None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._cond:
             while self._credit_held:
@@ -809,8 +820,10 @@ class Client:
         try:
             if self.agent.error is None:
                 self.flush(timeout)
-        except TimeoutError:
-            log.warning("closing with %d pushes unacknowledged", len(self._credit_held))
+        except (TimeoutError, GradbusError) as e:
+            # closing goes on: the pushes in question are reported, not raised from close()
+            log.warning("closing with %d pushes unacknowledged or refused: %s",
+                        len(self._credit_held), e)
         finally:
             with self._lock:
                 self._closed = True

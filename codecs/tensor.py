@@ -264,8 +264,12 @@ def _int8_encode(x: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
     finite = np.isfinite(absmax)
     nonzero = absmax > 0
     scale = absmax / np.float32(127)
-    # a non-zero block never gets a zero scale (|x| < 127 * 2**-149 would underflow)
+    # a non-zero block never gets a zero scale (|x| < 127 * 2**-149 would underflow), nor one
+    # rounded below absmax/127 (subnormal scales have few bits: 127 codes must reach absmax)
     np.maximum(scale, np.float32(2.0**-149), out=scale, where=nonzero)
+    short = finite & (scale < np.float32(2.0**-126)) & (scale.astype(np.float64) * 127 < absmax)
+    if short.any():
+        scale[short] = np.nextafter(scale[short], np.float32(np.inf))
     divisor = np.where(finite & nonzero, scale, np.float32(1))
     if not finite.all():                # NaN or inf: codes 0, scale NaN, so the block decodes NaN
         x = np.where(np.repeat(~finite, INT8_BLOCK)[:len(x)], np.float32(0), x)

@@ -111,7 +111,9 @@ class BrokerCore:
                  liveness: int = timing.LIVENESS,
                  client_liveness: int = timing.CLIENT_LIVENESS,
                  dedupe_window: int = DEDUPE_WINDOW, replicas: int = 1,
-                 auto_rebalance: bool = True,
+                 auto_rebalance: bool = True, log=None, replay=None,
+                 replay_until: float | None = None, wall_clock=None,
+                 expect_shards: int | None = None,
                  fault_drop: float = 0.0, fault_seed: int = 0, now: float = 0.0):
         if not 1 <= partitions <= 65535:
             raise ValueError("partitions must be in 1..65535")
@@ -150,6 +152,17 @@ class BrokerCore:
         self.failovers: list[dict] = []                              # the most recent ones
         # Partition moves (rebalance, drain): p -> {"from", "to", "since"}; the copy catches up
         # like a standby, then takes the place of "from" (the primary's with a new epoch).
+        # The update log (broker/log.py), written as batches go out, and a log index to replay:
+        # a partition taken from a shard at seq S gets the logged batches after S (up to
+        # replay_until, wall clock) before any new one; so does one no shard holds, from 0.
+        self.log = log
+        self.replay = replay
+        self.replay_until = replay_until
+        self.replaying: dict[int, list] = {}
+        self.replay_done: set[int] = set()
+        self.expect_shards = expect_shards   # registered this many: nobody else is coming
+        import time as _time
+        self.wall = wall_clock or _time.time
         self.moves: dict[int, dict] = {}
         self.move_log: list[dict] = []
         self.auto_rebalance = auto_rebalance
@@ -176,6 +189,14 @@ class BrokerCore:
         self.h_visible = stats.Histogram()     # push received -> its weights published
         self.h_ack = stats.Histogram()         # push received -> acknowledged
         self.h_staleness = stats.Histogram(stats.COUNT_BUCKETS)  # versions behind, on arrival
+        for recs in (replay.by_p.values() if replay is not None else ()):
+            for h, _ in recs:                # tensors the log created are known from the start
+                if replay_until is not None and h["time"] > replay_until:
+                    continue
+                for e in h["e"]:
+                    if e.get("op") == "init" and e["layout"]["name"] not in self.catalog:
+                        layout = TensorLayout.from_wire(e["layout"])
+                        self.catalog[layout.name] = Tensor(layout, e["opt"])
 
     # ------------------------------------------------------------------ helpers
     def accepting(self) -> bool:
@@ -335,8 +356,8 @@ class BrokerCore:
     def _check_recovering(self, what: str, known_elsewhere: bool) -> None:
         """RECOVERING while the broker is young and the thing asked for may exist on a shard
         that has not registered again yet."""
-        if self.restarted is False or self.now - self.started >= self.recovery_grace:
-            return      # a fresh cluster (its first shard held nothing), or old enough
+        if self.replay is None and self.restarted is False or self._recovered():
+            return      # a fresh cluster (its first shard held nothing), or recovered
         if self.restarted or known_elsewhere:
             self.counters["recovering_refusals"] += 1
             raise WireError(Code.RECOVERING, f"{what}: the broker started "
@@ -539,11 +560,14 @@ class BrokerCore:
         """Turn pending entries into sequenced batches: one message per replica group that has
         credit, the same header and tensor frames to every replica of those partitions."""
         actions = []
+        if self.replaying:
+            self._flush_replay(actions)
         if not self.pending_entries and not any(s.queued_snapshots for s in self.shards.values()):
             return actions
         groups: dict[tuple, list[int]] = defaultdict(list)
         for p in self.pending_entries:
-            groups[self._group(p)].append(p)
+            if p not in self.replaying:        # logged batches go first
+                groups[self._group(p)].append(p)
         for group, parts in groups.items():
             if not self._can_send(group):
                 continue
@@ -581,6 +605,8 @@ class BrokerCore:
                 self.h_batch.observe(len(ents))
                 self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys})
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
+            if self.log is not None:
+                self.log.append(header_parts, t_list, frames, self.wall())
             self.counters["batches"] += 1
             self.counters["batched_entries"] += sum(len(x["e"]) for x in header_parts)
             for sid in (primary, *standbys, *catching_up):
@@ -605,8 +631,10 @@ class BrokerCore:
 
     def has_flushable(self) -> bool:
         """True when flush() would send something now (every in-sync replica has credit)."""
+        if any(self._can_send(self._group(p)) for p in self.replaying):
+            return True
         for p in self.pending_entries:
-            if self._can_send(self._group(p)):
+            if p not in self.replaying and self._can_send(self._group(p)):
                 return True
         return any(s.alive and any(not self._snapshot_blocked(item[2])
                                    for item in s.queued_snapshots)
@@ -615,9 +643,10 @@ class BrokerCore:
     def _snapshot_blocked(self, keys) -> bool:
         """A snapshot must wait while an init/push for one of its partitions is still queued,
         so that it sees them (a client's init is answered before the blocks exist)."""
-        if not self.pending_entries:
+        if not self.pending_entries and not self.replaying:
             return False
-        return any(partition_of(k, self.P) in self.pending_entries for k in keys)
+        return any((p := partition_of(k, self.P)) in self.pending_entries or p in self.replaying
+                   for k in keys)
 
     # ------------------------------------------------------------------ backend
     def on_backend(self, identity: bytes, frames: list, now: float) -> list:
@@ -728,10 +757,75 @@ class BrokerCore:
         self.by_identity[identity] = sid
         self.table_version += 1
         actions.append((BACK, identity, [wire.pack(wire.REGISTERED, shard=sid, partitions=self.P)]))
+        if self.replay is not None:
+            self._replay_orphans()
         if drop:
             actions.append((BACK, identity, [wire.pack(wire.DROP, ps=drop)]))
         actions.append((PUB, self._table_msg()))
         return actions
+
+    def _schedule_replay(self, p: int, seq: int) -> None:
+        if self.replay is None or p in self.replay_done:
+            return
+        self.replay_done.add(p)
+        recs = self.replay.after(p, seq, self.replay_until)
+        if recs:
+            self.replaying[p] = recs
+            self.counters["replay_scheduled"] += len(recs)
+
+    def _recovered(self) -> bool:
+        """Every shard that may bring partitions back has registered (as many as expected),
+        or the recovery grace is over."""
+        if self.expect_shards and sum(1 for x in self.shards.values()
+                                      if x.alive) >= self.expect_shards:
+            return True
+        return self.now - self.started >= self.recovery_grace
+
+    def _replay_orphans(self) -> None:
+        """Once recovered: partitions the log has but no shard brought back (created after the
+        checkpoints) are placed and replayed from the start."""
+        if self.replay is None or not self._recovered():
+            return
+        for p in sorted(self.replay.by_p):
+            if p not in self.replay_done and self.owners[p] is None and self._place(p):
+                self._schedule_replay(p, 0)
+
+    def _flush_replay(self, actions: list) -> None:
+        """Send the logged batches of replaying partitions, one record per message, in order."""
+        for p in list(self.replaying):
+            group = self._group(p)
+            while self.replaying.get(p) and self._can_send(group):
+                h, frames = self.replaying[p].pop(0)
+                self._learn_inits(p, h)
+                primary, standbys, catching_up = group
+                part = {"p": p, "seq": h["seq"], "epoch": self.epochs[p], "o": primary,
+                        "e": h["e"]}
+                self.seq[p] = max(self.seq[p], h["seq"])
+                hdr = wire.pack(wire.BATCH, h["t"], parts=[part])
+                if self.log is not None:
+                    self.log.append([part], h["t"], frames, h["time"])
+                for sid in (primary, *standbys, *catching_up):
+                    sh = self.shards.get(sid)
+                    if sh is not None and sh.alive:
+                        sh.inflight += 1
+                        actions.append((BACK, sh.identity, [hdr, *frames]))
+                self.counters["replayed"] += 1
+            if not self.replaying.get(p):
+                self.replaying.pop(p, None)
+
+    def _learn_inits(self, p: int, h: dict) -> None:
+        """A replayed INIT entry of a tensor this broker does not know yet enters the catalog."""
+        for e in h["e"]:
+            if e.get("op") != "init":
+                continue
+            layout = TensorLayout.from_wire(e["layout"])
+            if layout.name not in self.catalog:
+                self.catalog[layout.name] = Tensor(layout, e["opt"])
+            start, stop = layout.block_range(split_key(e["key"])[1])
+            nbytes = (stop - start) * (8 if layout.dtype == "float64" else 4)
+            self.pbytes[p] += nbytes
+            for sid in self._members(p):
+                self.shards[sid].bytes += nbytes
 
     def _learn_catalog(self, h: dict) -> dict[int, int]:
         """Tensors and block versions a registering shard holds that this broker does not know
@@ -780,6 +874,7 @@ class BrokerCore:
             s.partitions.add(p)
             s.bytes += self.pbytes[p]
             self.counters["partitions_adopted"] += 1
+            self._schedule_replay(p, seq)
             return True
         known = self.adopted.get(p)
         if known is None or self.seq[p] != known[1] or self._holds(s.id, p):
@@ -1213,6 +1308,10 @@ class BrokerCore:
                     ref[0] == ident for ref in self.pending):
                 del self.clients[ident]
         actions += self._repair(now)
+        if self.replay is not None and len(self.replay_done) < len(self.replay.by_p):
+            self._replay_orphans()
+        if self.log is not None and self.log.fsync == "interval":
+            self.log.maybe_sync()
         if self.draining or self.rebalance_wanted:
             actions += self._coalesce(self._plan(now))
         if now - self.last_hb_sent >= self.hb_interval:

@@ -139,22 +139,49 @@ def main() -> None:
 @click.option("--fault-seed", default=0, type=int, hidden=True)
 @curve_options("broker")
 @metrics_options
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="Append every batch to an update log in DIR (segment files), for exact "
+                   "rebuilds and point-in-time restore.")
+@click.option("--log-fsync", type=click.Choice(["always", "interval", "never"]),
+              default="interval", show_default=True,
+              help="always: before batches go out; interval: at most once a second; never.")
+@click.option("--replay-log", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Replay this update log onto partitions the shards bring back (after their "
+                   "seq), and onto partitions none brings back.")
+@click.option("--replay-until", default=None,
+              help="Replay only batches logged at or before this time (unix seconds or ISO "
+                   "8601).")
+@click.option("--expect-shards", type=click.IntRange(1), default=None,
+              help="After a restart or restore: once this many shards registered, stop "
+                   "waiting for others to bring partitions back.")
 @click.option("-v", "--verbose", count=True)
 def broker(host, port, backend_port, events_port, partitions, batch_window, shard_credit,
            max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
-           verbose, curve, metrics_port, metrics_host):
+           verbose, curve, metrics_port, metrics_host, log_dir, log_fsync, replay_log,
+           replay_until, expect_shards):
     """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
     with --metrics-port)."""
     _logging(verbose)
     from gradbus.broker.server import BrokerServer
     exporter = _exporter(metrics_port, metrics_host, "broker-metrics")
+    from gradbus.broker import log as ulog
+    log_kw = {}
+    try:
+        if replay_log:
+            log_kw.update(replay=ulog.LogIndex(replay_log),
+                          replay_until=_parse_time(replay_until, "--replay-until"))
+        if log_dir:
+            log_kw["log"] = ulog.UpdateLog(log_dir, log_fsync)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"update log: {e}")
     try:
         srv = BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
                            partitions=partitions, batch_window=batch_window,
                            shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20,
                            replicas=replicas, heartbeat_interval=heartbeat_interval,
                            liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed,
-                           curve=curve, on_metrics=exporter.update if exporter else None)
+                           curve=curve, on_metrics=exporter.update if exporter else None,
+                           expect_shards=expect_shards, **log_kw)
     except Exception as e:
         if exporter:
             exporter.close()
@@ -170,6 +197,8 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
     finally:
         if exporter:
             exporter.close()
+        if log_kw.get("log"):
+            log_kw["log"].close()
 
 
 
@@ -351,7 +380,7 @@ def _run_cluster(cluster, stop: threading.Event) -> None:
         click.echo("stopped")
 
 
-def _parse_time(value: str | None) -> float | None:
+def _parse_time(value: str | None, hint: str = "--at") -> float | None:
     """Unix seconds, or an ISO 8601 date-time (local time unless it names a zone)."""
     if value is None:
         return None
@@ -364,7 +393,7 @@ def _parse_time(value: str | None) -> float | None:
         return datetime.datetime.fromisoformat(value).timestamp()
     except ValueError:
         raise click.BadParameter(f"{value!r} is neither unix seconds nor an ISO 8601 time",
-                                 param_hint="--at") from None
+                                 param_hint=hint) from None
 
 
 @main.command()
@@ -380,34 +409,48 @@ def _parse_time(value: str | None) -> float | None:
 @replicas_option
 @click.option("--data-dir", default=None, type=click.Path(file_okay=False),
               help="Where the restored shards write new checkpoints (default: --from).")
+@click.option("--log", "log_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="The broker's update log (--log-dir): replay it on top of the checkpoints "
+                   "up to --at, so the state is exact to the update.")
 @click.option("--dry-run", is_flag=True, help="Print what would be restored and exit.")
-def restore(source, at, port, host, partitions, replicas, data_dir, dry_run):
+def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry_run):
     """Start a local cluster from checkpoints: one shard per checkpointed shard id, each loading
     its newest checkpoint at or before --at, in the foreground until Ctrl-C or SIGTERM."""
     from gradbus.cluster import LocalCluster
     from gradbus.shards import checkpoint
     when = _parse_time(at)
     chosen = {}
-    for sid in checkpoint.shards_in(source):
+    ids = checkpoint.shards_in(source) or (["shard-0"] if log_dir else [])
+    for sid in ids:
         ck = checkpoint.newest(source, sid, when)
         if ck is not None:
             chosen[sid] = ck
-    if not chosen:
+    if not chosen and not log_dir:
         raise click.ClickException(f"no checkpoint in {source}"
                                    + (f" taken at or before {at}" if at else ""))
     import datetime
-    for sid, ck in sorted(chosen.items()):
+    for sid in ids:
+        ck = chosen.get(sid)
+        if ck is None:
+            click.echo(f"{sid:<16} {'(no checkpoint: starts empty)':<23}")
+            continue
         stamp = datetime.datetime.fromtimestamp(ck.time).isoformat(timespec="milliseconds")
         click.echo(f"{sid:<16} {stamp}  {len(ck.partitions):>4} partitions  {ck.path}")
+    if log_dir:
+        click.echo(f"replaying the update log {log_dir}"
+                   + (f" up to {at}" if at else " to its end"))
     if dry_run:
         return
     stop = threading.Event()
     _on_signals(stop.set)
     ddir = data_dir or source
-    cluster = LocalCluster(len(chosen), port=port, host=host, partitions=partitions, quiet=False,
-                           replicas=replicas, shard_ids=sorted(chosen),
-                           shard_extra={sid: ["--restore", ck.path, "--data-dir", ddir]
-                                        for sid, ck in chosen.items()})
+    replay = ["--replay-log", log_dir, "--expect-shards", str(len(ids))] + (
+        ["--replay-until", repr(when)] if when else []) if log_dir else []
+    cluster = LocalCluster(len(ids), port=port, host=host, partitions=partitions, quiet=False,
+                           replicas=replicas, shard_ids=ids, broker_args=replay,
+                           shard_extra={sid: ["--data-dir", ddir] + (
+                               ["--restore", chosen[sid].path] if sid in chosen else [])
+                               for sid in ids})
     _run_cluster(cluster, stop)
 
 

@@ -160,6 +160,7 @@ class BrokerCore:
         self.replay_until = replay_until
         self.replaying: dict[int, list] = {}
         self.replay_done: set[int] = set()
+        self.no_relog: set[int] = set()      # replays from this broker's own log
         self.expect_shards = expect_shards   # registered this many: nobody else is coming
         import time as _time
         self.wall = wall_clock or _time.time
@@ -731,12 +732,19 @@ class BrokerCore:
         else:
             if s.alive:
                 actions += self._shard_dead(s, now, "re-registered")
-            # A sole owner that comes back without its partitions lost them.
+            # A sole owner that comes back without its partitions lost them, unless the update
+            # log holds them from the start; one that comes back behind is brought up to date.
             for p in list(s.partitions):
                 if self.owners[p] == sid and p not in holds:
-                    self.lost.add(p)
+                    if self._replay_own_log(p, 0):
+                        self.lost.discard(p)
+                    else:
+                        self.lost.add(p)
                 elif self.owners[p] != sid:
                     s.partitions.discard(p)
+                elif holds[p][1] < self.seq[p] and self._replay_own_log(p, holds[p][1]):
+                    log.info("shard %s is behind on partition %d (seq %d < %d): replaying "
+                             "the update log", sid, p, holds[p][1], self.seq[p])
             s.identity, s.alive, s.last_seen, s.inflight = identity, True, now, 0
             log.info("shard %s re-registered", sid)
         held_bytes = self._learn_catalog(h)
@@ -781,6 +789,21 @@ class BrokerCore:
             return True
         return self.now - self.started >= self.recovery_grace
 
+    def _replay_own_log(self, p: int, after: int) -> bool:
+        """Rebuild partition p on its returning sole owner from this broker's own update log
+        (every logged batch after ``after``); False when the log does not cover it."""
+        if self.log is None:
+            return False
+        from .log import LogIndex
+        self.log.sync()
+        recs = LogIndex(self.log.dir).after(p, after)
+        if not recs or recs[0][0]["seq"] != after + 1:
+            return False
+        self.replaying[p] = recs
+        self.no_relog.add(p)
+        self.counters["replay_scheduled"] += len(recs)
+        return True
+
     def _replay_orphans(self) -> None:
         """Once recovered: partitions the log has but no shard brought back (created after the
         checkpoints) are placed and replayed from the start."""
@@ -802,7 +825,7 @@ class BrokerCore:
                         "e": h["e"]}
                 self.seq[p] = max(self.seq[p], h["seq"])
                 hdr = wire.pack(wire.BATCH, h["t"], parts=[part])
-                if self.log is not None:
+                if self.log is not None and p not in self.no_relog:
                     self.log.append([part], h["t"], frames, h["time"])
                 for sid in (primary, *standbys, *catching_up):
                     sh = self.shards.get(sid)
@@ -812,6 +835,7 @@ class BrokerCore:
                 self.counters["replayed"] += 1
             if not self.replaying.get(p):
                 self.replaying.pop(p, None)
+                self.no_relog.discard(p)
 
     def _learn_inits(self, p: int, h: dict) -> None:
         """A replayed INIT entry of a tensor this broker does not know yet enters the catalog."""

@@ -153,6 +153,8 @@ class LocalCluster:
         proc.send_signal(sig)
         if sig in (signal.SIGKILL, signal.SIGTERM):
             proc.wait(10)
+            if proc.stdout:
+                proc.stdout.close()
 
     def stop(self) -> None:
         procs = list(self.shard_procs.values()) + ([self.broker_proc] if self.broker_proc else [])

@@ -302,3 +302,34 @@ def test_update_log_survives_a_torn_tail(tmp_path):
     assert [h["seq"] for h, _ in idx.after(5, 0)] == [1, 2]
     assert [h["seq"] for h, _ in idx.after(5, 1, until=101.5)] == []
     assert [h["seq"] for h, _ in idx.after(5, 0, until=101.5)] == [1]
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_a_shard_with_no_standby_is_rebuilt_from_checkpoint_plus_the_log(make_cluster, tmp_path,
+                                                                          restore):
+    """One copy of everything, the broker logging: the shard is killed after a checkpoint and
+    more pushes, and comes back from that checkpoint (or from nothing); the broker replays its
+    log after the seq the shard brings back, so the weights hold every acknowledged push."""
+    data, log = str(tmp_path / "data"), str(tmp_path / "log")
+    fast = ["--heartbeat-interval", "0.1", "--liveness", "5"]
+    cluster = make_cluster(1, broker_args=[*fast, "--log-dir", log, "--log-fsync", "always"],
+                           shard_args=[*fast, "--data-dir", data, "--checkpoint-interval", "0"])
+    w0 = (np.arange(3000) % 32 / 32).astype(np.float32)
+    with gradbus.connect(cluster.url, block_bytes=4096) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        for _ in range(10):
+            c.push({"w": np.ones_like(w0)}).result(10)
+        ck = admin.checkpoint(cluster.url)[0]["path"]
+        for _ in range(10):
+            c.push({"w": np.ones_like(w0)}).result(10)
+        cluster.kill_shard("shard-0")
+        wait_for(lambda: admin.status(cluster.url)["counters"].get("shards_lost"), 10,
+                 "the broker to notice")
+        cluster.shard_extra["shard-0"] = ["--restore", ck] if restore else []
+        cluster.add_shard("shard-0")
+        wait_for(lambda: not admin.status(cluster.url)["partitions_down"]
+                 and admin.status(cluster.url)["shards"][0]["alive"], 20, "the shard back")
+        c.push({"w": np.ones_like(w0)}).result(20)
+        w = c.pull(["w"], min_version=21, timeout=30)["w"]
+    assert np.array_equal(w, w0 - 21 * LR)
+    assert admin.status(cluster.url)["counters"]["replay_scheduled"] >= 1

@@ -37,7 +37,7 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
     t0 = time.perf_counter()
     with gradbus.connect(broker_url, client_id=f"demo-worker-{index}-{rng.integers(1 << 30)}",
                          window=WINDOW, error_feedback=error_feedback, seed=seed * 1000 + index) as c:
-        c.init(init, optimizer=OPTIMIZERS[optimizer]())
+        _init_when_ready(c, init, OPTIMIZERS[optimizer]())
         if accumulate > 1:
             c.accumulate(every=accumulate)
         names = list(init)
@@ -59,6 +59,23 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
                           "push_raw_bytes": c.stats["push_raw_bytes"],
                           "cache": dict(c.cache.stats),
                           "seconds": time.perf_counter() - t0}), flush=True)
+
+
+def _init_when_ready(client, tensors, optimizer, wait: float = 60.0) -> None:
+    """init, waiting (with back-off) while the cluster has no live shard yet: a worker started
+    next to a fresh broker (containers) need not be started last."""
+    deadline, delay = time.monotonic() + wait, 0.2
+    while True:
+        try:
+            client.init(tensors, optimizer=optimizer)
+            return
+        except GradbusError as e:
+            code = getattr(e.code, "value", e.code)
+            if code not in ("NO_SHARDS", "SHARD_UNAVAILABLE") or time.monotonic() > deadline:
+                raise
+            print(f"waiting for shards ({code})", file=sys.stderr, flush=True)
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
 
 def worker_line(index: int, line: str, done: dict, echo=print) -> None:

@@ -95,3 +95,39 @@ def test_demo_json_summary():
         s = _demo()
     assert s["test_accuracy"] >= 0.95, s
     assert s["baseline_accuracy"] - s["test_accuracy"] <= 0.03, s
+
+
+def test_demo_worker_waits_for_shards_instead_of_failing():
+    import threading
+
+    import numpy as np
+
+    import gradbus
+    from gradbus import admin
+    from gradbus.broker.server import BrokerServer
+    from gradbus.demo import _init_when_ready
+    from gradbus.shards.server import ShardServer
+
+    from .conftest import wait_for
+
+    broker = BrokerServer("127.0.0.1", 0)
+    threads = [broker.start_thread()]
+    shard = None
+    try:
+        with gradbus.connect(broker.url) as c:
+            done = []
+            t = threading.Thread(target=lambda: done.append(_init_when_ready(
+                c, {"w": np.zeros(4, np.float32)}, gradbus.SGD(lr=0.1), wait=30)))
+            t.start()
+            wait_for(lambda: admin.status(broker.url)["errors"].get("NO_SHARDS"), 10,
+                     "the worker to find no shard")
+            shard = ShardServer(broker.url, "late-shard")
+            threads.append(shard.start_thread())
+            t.join(30)
+            assert done == [None] and c.pull(["w"])["w"].shape == (4,)
+    finally:
+        if shard is not None:
+            shard.stop()
+        broker.stop()
+        for th in threads:
+            th.join(10)

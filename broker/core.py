@@ -1418,6 +1418,12 @@ class BrokerCore:
             "gradbus_broker_fenced_partitions": stats.counter(
                 "Stale partitions a returning shard was told to drop.",
                 c.get("fenced_partitions", 0)),
+            "gradbus_broker_partition_moves": stats.counter(
+                "Partition moves finished (rebalance, drain, a new shard).", c.get("moves", 0)),
+            "gradbus_broker_partition_moves_in_progress": stats.gauge(
+                "Partition moves under way.", len(self.moves)),
+            "gradbus_broker_replayed_batches": stats.counter(
+                "Batches replayed from an update log.", c.get("replayed", 0)),
             "gradbus_broker_standbys_synced": stats.counter(
                 "Standbys that finished catching up on a partition.",
                 c.get("standbys_synced", 0)),

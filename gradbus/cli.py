@@ -266,16 +266,21 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the shard holds nothing and has stopped, showing progress.")
 @click.option("--timeout", default=600.0, show_default=True, type=float)
+@click.option("--json", "as_json", is_flag=True, help="Print the result (and the moves) as JSON.")
 @curve_options("client")
-def shard_drain(shard_id, broker_url, wait, timeout, curve):
+def shard_drain(shard_id, broker_url, wait, timeout, as_json, curve):
     """Move every partition off SHARD_ID (to the shards holding fewest bytes); the shard stops
     once it holds nothing."""
     from gradbus import admin
     try:
+        before = _move_keys(broker_url, curve)
         res = admin.drain(broker_url, shard_id, curve=curve)
-        click.echo(f"draining {shard_id}: {res['partitions']} partitions to move")
-        if wait:
-            _follow_moves(broker_url, curve, timeout, until_gone=shard_id)
+        if not as_json:
+            click.echo(f"draining {shard_id}: {res['partitions']} partitions to move")
+        moves = _follow_moves(broker_url, curve, timeout, until_gone=shard_id,
+                              quiet=as_json, before=before) if wait else []
+        if as_json:
+            click.echo(json.dumps({**res, "moves": moves}, indent=2))
     except GradbusError as e:
         raise click.ClickException(str(e))
 
@@ -285,37 +290,53 @@ def shard_drain(shard_id, broker_url, wait, timeout, curve):
 @click.option("--wait/--no-wait", default=True, show_default=True,
               help="Wait until the moves are done, showing progress.")
 @click.option("--timeout", default=600.0, show_default=True, type=float)
+@click.option("--json", "as_json", is_flag=True, help="Print the result (and the moves) as JSON.")
 @curve_options("client")
-def rebalance(broker_url, wait, timeout, curve):
+def rebalance(broker_url, wait, timeout, as_json, curve):
     """Even out parameter bytes per shard by moving partitions while training goes on."""
     from gradbus import admin
     try:
+        before = _move_keys(broker_url, curve)
         res = admin.rebalance(broker_url, curve=curve)
-        click.echo(f"rebalance: {res['moves_started']} moves started")
-        if wait:
-            _follow_moves(broker_url, curve, timeout)
+        if not as_json:
+            click.echo(f"rebalance: {res['moves_started']} moves started")
+        moves = _follow_moves(broker_url, curve, timeout, quiet=as_json,
+                              before=before) if wait else []
+        if as_json:
+            click.echo(json.dumps({**res, "moves": moves}, indent=2))
     except GradbusError as e:
         raise click.ClickException(str(e))
 
 
-def _follow_moves(url, curve, timeout: float, until_gone: str | None = None) -> None:
-    """Print moves as they finish until none is in progress (and ``until_gone`` has stopped)."""
+def _move_keys(url, curve) -> set:
+    from gradbus import admin
+    return {(m["p"], m["at"]) for m in admin.status(url, curve=curve)["moves"]}
+
+
+def _follow_moves(url, curve, timeout: float, until_gone: str | None = None,
+                  quiet: bool = False, before: set = frozenset()) -> list[dict]:
+    """Print moves as they finish until none is in progress (and ``until_gone`` has stopped);
+    returns them."""
     import time
     from gradbus import admin
-    deadline, seen = time.monotonic() + timeout, set()
+    deadline, seen, done = time.monotonic() + timeout, set(), []
+    seen.update(before)                     # moves that finished before this command
     while True:
         st = admin.status(url, curve=curve)
         for m in st["moves"]:
             key = (m["p"], m["at"])
             if key not in seen:
                 seen.add(key)
-                click.echo(f"  moved partition {m['p']:>5} {m['from']} -> {m['to']}  "
-                           f"{_fmt_bytes(m['bytes'])} in {m['seconds']:.3f}s")
+                done.append(m)
+                if not quiet:
+                    click.echo(f"  moved partition {m['p']:>5} {m['from']} -> {m['to']}  "
+                               f"{_fmt_bytes(m['bytes'])} in {m['seconds']:.3f}s")
         gone = until_gone is None or not any(
             s["alive"] for s in st["shards"] if s["id"] == until_gone)
         if not st["moves_in_progress"] and gone and not st.get("draining"):
-            click.echo("done")
-            return
+            if not quiet:
+                click.echo("done")
+            return done
         if time.monotonic() > deadline:
             raise click.ClickException(f"still {len(st['moves_in_progress'])} moves after "
                                        f"{timeout:.0f}s")
@@ -535,17 +556,23 @@ def status(broker_url, as_json, timeout, curve):
     click.echo(f"pushes   received {c.get('pushes_received', 0)}  applied "
                f"{c.get('pushes_applied', 0)}  batches {c.get('batches', 0)}  duplicates "
                f"{c.get('duplicates', 0)}  errors {sum(st['errors'].values())}")
+    click.echo(f"replicas {st['replicas']}  under-replicated {st['under_replicated']}  failovers "
+               f"{c.get('failovers', 0)}  moves {c.get('moves', 0)}"
+               + (f" ({len(st['moves_in_progress'])} under way)" if st["moves_in_progress"]
+                  else "") + (f"  draining {','.join(st['draining'])}" if st["draining"] else ""))
     click.echo("")
-    click.echo(f"{'SHARD':<16}{'STATE':<8}{'PARTITIONS':>11}{'BYTES':>12}{'APPLIED':>10}"
-               f"{'INFLIGHT':>10}{'SEEN':>8}")
+    click.echo(f"{'SHARD':<16}{'STATE':<8}{'PRIMARY':>8}{'STANDBY':>8}{'SYNCING':>8}{'BYTES':>12}"
+               f"{'APPLIED':>10}{'INFLIGHT':>10}{'SEEN':>8}")
     for s in st["shards"]:
-        click.echo(f"{s['id']:<16}{'alive' if s['alive'] else 'DEAD':<8}{s['partitions']:>11}"
+        click.echo(f"{s['id']:<16}{'alive' if s['alive'] else 'DEAD':<8}{s['primary']:>8}"
+                   f"{s['standby']:>8}{s['syncing']:>8}"
                    f"{_fmt_bytes(s['bytes']):>12}{s['info'].get('pushes_applied', 0):>10}"
                    f"{s['inflight']:>10}{s['last_seen_s']:>7.1f}s")
     click.echo("")
-    click.echo(f"{'WORKER':<34}{'PUSHES':>10}{'SEEN':>8}")
+    click.echo(f"{'WORKER':<34}{'PUSHES':>10}{'REFUSED':>9}{'SEEN':>8}")
     for w in st["workers"]:
-        click.echo(f"{w['id']:<34}{w['pushes']:>10}{w['last_seen_s']:>7.1f}s")
+        click.echo(f"{w['id']:<34}{w['pushes']:>10}{sum(w.get('errors', {}).values()):>9}"
+                   f"{w['last_seen_s']:>7.1f}s")
     click.echo("")
     click.echo(f"{'TENSOR':<24}{'DTYPE':<9}{'SHAPE':<18}{'BLOCKS':>7}{'VERSION':>9}  OPTIMIZER")
     for t in st["tensors"]:

@@ -2,6 +2,8 @@
 new epoch) while pushes go on; nothing is lost or applied twice."""
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 import gradbus
@@ -173,5 +175,10 @@ def test_rebalance_and_drain_commands(make_cluster):
         assert [s["alive"] for s in st["shards"] if s["id"] == "shard-0"] == [False]
         c.push({"w": np.ones_like(w0)}).result(10)
         assert np.array_equal(c.pull(["w"], min_version=2, timeout=20)["w"], w0 - 2 * LR)
+        r = cli("rebalance", "--json")           # balanced already: nothing to move
+        assert r.returncode == 0 and json.loads(r.stdout)["moves"] == [], r.stdout + r.stderr
+        r = subprocess.run([sys.executable, "-m", "gradbus", "status", "--broker", cluster.url],
+                           capture_output=True, text=True, timeout=60)
+        assert "PRIMARY" in r.stdout and "moves " in r.stdout
         r = cli("shard", "drain", "nope")
         assert r.returncode != 0 and "no live shard" in r.stderr

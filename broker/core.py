@@ -94,6 +94,8 @@ class Tensor:
     layout: TensorLayout
     opt: dict
     versions: dict = field(default_factory=dict)   # block index -> last version seen
+    cons: dict = field(default_factory=lambda: specs.consistency_from_wire(None))
+    pushers: set = field(default_factory=set)      # clients that pushed it (bsp barriers)
 
     @property
     def version(self) -> int:
@@ -183,6 +185,7 @@ class BrokerCore:
         self.pending_entries: dict[int, list] = defaultdict(list)   # p -> [(entry, desc, frame, ref)]
         self.pending_bytes = 0
         self.pending: dict[tuple[bytes, int], Pending] = {}
+        self.barriers: dict[str, dict] = {}    # bsp tensor -> the step's held pushes
         self.inflight: dict[tuple[int, int], Batch] = {}             # (p, seq) -> batch
         self.counters: dict[str, int] = defaultdict(int)
         self.errors: dict[str, int] = defaultdict(int)
@@ -381,6 +384,7 @@ class BrokerCore:
         descs = wire.parse_tensors(h, frames, self.max_tensor_bytes)
         routed = []
         decoded = 0
+        tensors: dict[str, Tensor] = {}
         for d, fr in zip(descs, frames):
             t, idx = self._block(d.key)
             start, stop = t.layout.block_range(idx)
@@ -389,29 +393,88 @@ class BrokerCore:
                                                 f"not match {t.layout.dtype}[{stop - start}]")
             p = partition_of(d.key, self.P)
             self._live_owner(d.key, p)
-            routed.append((p, d, fr))
+            routed.append((p, d, fr, t))
+            tensors[t.layout.name] = t
             decoded += (stop - start) * (8 if d.dtype == "float64" else 4)
         if not routed:
             raise WireError(Code.BAD_REQUEST, "push carries no tensors")
         acks = h["acks"]
         if acks not in (0, 1, ALL):
             raise WireError(Code.BAD_FIELD, f"acks must be 0, 1 or {ALL} (all), not {acks}")
-        ref = (client.identity, msg)
-        self.pending[ref] = Pending(client.identity, msg, "push", len(routed),
-                                    acks=ALL if acks == ALL else 1, t0=self.now)
+        ver = h.get("ver")
+        ver = ver if isinstance(ver, int) and not isinstance(ver, bool) else None
+        weights, bsp = self._consistency(tensors, ver, client)
         self.counters["push_wire_bytes"] += sum(d.nbytes for d in descs)
         self.counters["push_decoded_bytes"] += decoded
-        ver = h.get("ver")
-        if isinstance(ver, int) and routed:
-            t = self._block(routed[0][1].key)[0]
-            self.h_staleness.observe(max(0, t.version - ver))
         self._remember(client, msg, "pending")
         client.pushes += 1
         self.counters["pushes_received"] += 1
-        t_list = h["t"]
-        for (p, d, fr), raw in zip(routed, t_list):
-            self._enqueue(p, {"op": "push", "c": client.identity, "m": msg}, raw, fr, ref)
+        for t in tensors.values():
+            t.pushers.add(client.identity)
+        if bsp is not None:    # held until the step's gradients are all in
+            bsp["held"].append((client, h, routed, weights))
+            bsp["clients"].add(client.identity)
+            self.counters["bsp_held"] += 1
+            return self._release_barriers()
+        self._enqueue_push(client, h, routed, weights)
         return []
+
+    def _consistency(self, tensors: dict, ver: int | None, client: ClientInfo):
+        """Staleness of a push against each tensor's consistency model: refuses it (STALE),
+        returns per-tensor gradient weights (staleness-scaled learning rate) and, for a bsp
+        tensor, the barrier to hold it at."""
+        weights, barrier = {}, None
+        modes = {t.cons["mode"] for t in tensors.values()}
+        if "bsp" in modes and len({(t.cons["mode"], t.cons["n"]) for t in tensors.values()}) > 1:
+            raise WireError(Code.BAD_REQUEST, "a push with a bsp tensor may only carry tensors "
+                                              "of the same bsp setting")
+        for name, t in tensors.items():
+            if ver is None:
+                if t.cons["mode"] == "bsp":
+                    raise WireError(Code.BAD_REQUEST, f"{name} is bsp: a push must say which "
+                                                      "version it was computed on (ver)")
+                continue
+            st = max(0, t.version - ver)
+            self.h_staleness.observe(st)
+            if t.cons["mode"] == "ssp" and t.cons["policy"] == "refuse" and st > t.cons["n"]:
+                client.errors[Code.STALE.value] += 1
+                raise WireError(Code.STALE, f"{name}: computed on version {ver}, {st} behind "
+                                            f"{t.version} (ssp allows {t.cons['n']})")
+            if t.cons["mode"] == "bsp":
+                if ver < t.version:
+                    client.errors[Code.STALE.value] += 1
+                    raise WireError(Code.STALE, f"{name}: step {ver} is over (now {t.version})")
+                barrier = self.barriers.setdefault(name, {"held": [], "clients": set(),
+                                                          "n": t.cons["n"], "tensor": t})
+            if t.cons["scale"] and st > 1:
+                weights[name] = 1.0 / st
+        return weights, barrier
+
+    def _release_barriers(self) -> list:
+        """Release every bsp step whose gradients are in: from N workers, or from every
+        connected client when fewer than N are connected (workers join and leave between
+        steps; one that disappears is forgotten after its liveness window)."""
+        actions = []
+        for name, b in list(self.barriers.items()):
+            if not b["held"] or len(b["clients"]) < min(b["n"], max(1, len(self.clients))):
+                continue
+            del self.barriers[name]
+            for client, h, routed, weights in b["held"]:
+                self._enqueue_push(client, h, routed, weights)
+            self.counters["bsp_steps"] += 1
+        return actions
+
+    def _enqueue_push(self, client: ClientInfo, h: dict, routed: list, weights: dict) -> None:
+        msg = h["msg"]
+        ref = (client.identity, msg)
+        self.pending[ref] = Pending(client.identity, msg, "push", len(routed),
+                                    acks=ALL if h["acks"] == ALL else 1, t0=self.now)
+        for (p, d, fr, t), raw in zip(routed, h["t"]):
+            entry = {"op": "push", "c": client.identity, "m": msg}
+            w = weights.get(t.layout.name)
+            if w is not None:
+                entry["w"] = w
+            self._enqueue(p, entry, raw, fr, ref)
 
     def _remember(self, client: ClientInfo, msg: int, value) -> None:
         client.seen[msg] = value
@@ -430,6 +493,10 @@ class BrokerCore:
             return replay
         opt = h["opt"]
         specs.optimizer_from_wire(opt)
+        try:
+            cons = specs.consistency_from_wire(h.get("cons"))
+        except ValueError as e:
+            raise WireError(Code.BAD_FIELD, f"init: {e}") from None
         descs = wire.parse_tensors(h, frames, self.max_tensor_bytes)
         given = {d.key: (d, raw, fr) for d, raw, fr in zip(descs, h.get("t", []), frames)}
         created, existing, plan = [], [], []
@@ -485,7 +552,7 @@ class BrokerCore:
                      "opt": opt}
             self._enqueue(p, entry, g[1] if g else None, g[2] if g else None, ref)
         for name, layout in layouts.items():
-            self.catalog[name] = Tensor(layout, opt)
+            self.catalog[name] = Tensor(layout, opt, cons=cons)
         self.pending[ref] = Pending(client.identity, msg, "init", len(plan),
                                     reply={"created": created, "existing": existing})
         self._remember(client, msg, "pending")
@@ -538,7 +605,8 @@ class BrokerCore:
             raise WireError(Code.BAD_FIELD, "names must be a list")
         sel = self.catalog if names is None else {n: self.catalog[n] for n in names
                                                   if isinstance(n, str) and n in self.catalog}
-        tensors = [{**t.layout.to_wire(), "version": t.version} for t in sel.values()]
+        tensors = [{**t.layout.to_wire(), "version": t.version, "cons": t.cons}
+                   for t in sel.values()]
         return [(FRONT, client.identity, [wire.pack(wire.CATALOG_REPLY, req=h["req"],
                                                     tensors=tensors)])]
 
@@ -1332,6 +1400,8 @@ class BrokerCore:
                     ref[0] == ident for ref in self.pending):
                 del self.clients[ident]
         actions += self._repair(now)
+        if self.barriers:
+            actions += self._release_barriers()
         if self.replay is not None and len(self.replay_done) < len(self.replay.by_p):
             self._replay_orphans()
         if self.log is not None and self.log.fsync == "interval":
@@ -1348,8 +1418,10 @@ class BrokerCore:
             # is behind one of them lost the tail of that stream (XPUB drops on HWM) and
             # re-snapshots, even when no later update would reveal the gap.
             ps = sorted(self.published_seq)
+            tv = {n: t.version for n, t in self.catalog.items() if t.cons["mode"] != "async"}
             actions.append((PUB, [wire.TOPIC_HEARTBEAT, wire.pack(
-                wire.HEARTBEAT, ps=ps, seqs=[self.published_seq[p] for p in ps])]))
+                wire.HEARTBEAT, ps=ps, seqs=[self.published_seq[p] for p in ps],
+                **({"tv": tv} if tv else {}))]))
         return actions
 
     # ------------------------------------------------------------------ status
@@ -1387,6 +1459,11 @@ class BrokerCore:
                 "draining": sorted(self.draining),
                 "shards": shards, "workers": workers, "tensors": tensors,
                 "pending_bytes": self.pending_bytes, "counters": dict(self.counters),
+                "staleness": {"count": self.h_staleness.count,
+                              "p50": self.h_staleness.quantile(0.5),
+                              "p99": self.h_staleness.quantile(0.99),
+                              "mean": round(self.h_staleness.sum / self.h_staleness.count, 3)
+                              if self.h_staleness.count else None},
                 "errors": dict(self.errors)}
 
     def metrics(self, now: float) -> dict:

@@ -28,6 +28,8 @@ class Code(str, enum.Enum):
     BAD_REQUEST = "BAD_REQUEST"            # well-formed but not acceptable
     NOT_REGISTERED = "NOT_REGISTERED"      # a shard spoke before registering (or after being
                                            # declared dead): it must send REGISTER again
+    STALE = "STALE"                        # a push computed on weights older than its tensor's
+                                           # consistency model allows (ssp refuse, bsp)
     RECOVERING = "RECOVERING"              # a restarted broker is still learning its table from
                                            # its shards: try again shortly (the SDK resends)
     FENCED = "FENCED"                      # a shard spoke for a partition it no longer holds
@@ -87,6 +89,13 @@ class SecurityError(GradbusError):
     code = Code.SECURITY
 
 
+class StaleError(GradbusError):
+    """A push computed on weights too old for its tensor's consistency model: pull fresher
+    weights and compute again."""
+
+    code = Code.STALE
+
+
 class ClosedError(GradbusError):
     """The client was closed."""
 
@@ -97,4 +106,6 @@ def error_from(code: str, message: str) -> GradbusError:
         return ShardUnavailableError(message, code)
     if code == Code.UNKNOWN_KEY:
         return UnknownKeyError(message)
+    if code == Code.STALE:
+        return StaleError(message)
     return GradbusError(message, code)

@@ -164,3 +164,41 @@ def _int_seed(d: dict) -> None:
     s = d.get("seed", 0)
     if isinstance(s, bool) or not isinstance(s, int) or s < 0 or s >= 2**63:
         raise WireError(Code.BAD_FIELD, "seed must be a non-negative int64")
+
+
+CONSISTENCY_POLICIES = ("refuse", "delay")
+
+
+def parse_consistency(text: str | None, policy: str = "refuse", scale_lr: bool = False) -> dict:
+    """``"async"`` (default), ``"ssp:S"`` (a push computed on weights more than S versions old
+    is refused, or with policy ``delay`` reads wait until the weights are at most S versions
+    behind) or ``"bsp:N"`` (a step is applied once N workers' gradients for it are in, or every
+    live worker's when fewer are left). ``scale_lr``: each gradient is scaled by
+    1/max(1, staleness). Returns the wire form ``{"mode", "n", "policy", "scale"}``."""
+    text = text or "async"
+    if policy not in CONSISTENCY_POLICIES:
+        raise ValueError(f"consistency policy must be one of {CONSISTENCY_POLICIES}")
+    mode, _, arg = text.partition(":")
+    if mode == "async" and not arg:
+        n = 0
+    elif mode in ("ssp", "bsp") and arg.isdigit() and (int(arg) >= 1 or mode == "ssp"):
+        n = int(arg)
+    else:
+        raise ValueError(f"consistency must be async, ssp:S (S >= 0) or bsp:N (N >= 1), "
+                         f"not {text!r}")
+    return {"mode": mode, "n": n, "policy": policy, "scale": bool(scale_lr)}
+
+
+def consistency_from_wire(d) -> dict:
+    if d is None:
+        return {"mode": "async", "n": 0, "policy": "refuse", "scale": False}
+    if not isinstance(d, dict):
+        raise ValueError("consistency must be a map")
+    mode, n = d.get("mode"), d.get("n", 0)
+    if mode == "async":
+        text = "async"
+    elif isinstance(n, int) and not isinstance(n, bool):
+        text = f"{mode}:{n}"
+    else:
+        raise ValueError(f"bad consistency {d!r}")
+    return parse_consistency(text, d.get("policy", "refuse"), bool(d.get("scale", False)))

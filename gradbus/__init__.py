@@ -11,7 +11,7 @@ __version__ = "0.1.0"
 
 from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError,  # noqa: E402
                                    ClosedError, GradbusError, SecurityError,
-                                   ShardUnavailableError, UnknownKeyError)
+                                   ShardUnavailableError, StaleError, UnknownKeyError)
 from gradbus.codecs.security import Curve  # noqa: E402
 from gradbus.codecs.specs import (SGD, Adagrad, Adam, Constant, Normal, Uniform,  # noqa: E402
                                   Zeros)
@@ -20,4 +20,5 @@ from gradbus.workers.client import Client, connect  # noqa: E402
 __all__ = ["connect", "Client", "SGD", "Adam", "Adagrad", "Zeros", "Constant", "Normal",
            "Uniform", "GradbusError", "ShardUnavailableError", "UnknownKeyError",
            "BackPressureError", "BrokerUnavailableError", "ClosedError", "SecurityError",
+           "StaleError",
            "Curve", "__version__"]

@@ -147,6 +147,9 @@ class ShardCore:
                     vals = g[1]
                     if self.nan_policy == "refuse" and not np.isfinite(vals).all():
                         raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
+                    w = ent.get("w")
+                    if isinstance(w, float) and 0.0 < w < 1.0:   # staleness-scaled step
+                        g = (g[0], g[1] * np.asarray(w, dtype=g[1].dtype))
                     if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
                         self.stats["duplicates_skipped"] = self.stats.get(
                             "duplicates_skipped", 0) + 1

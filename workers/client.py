@@ -356,6 +356,12 @@ class Agent(threading.Thread):
             return
         if topic == wire.TOPIC_HEARTBEAT:
             h = wire.unpack_header(frames[1], frozenset({wire.HEARTBEAT}))
+            tv = h.get("tv")
+            if isinstance(tv, dict):
+                with self.c._cond:
+                    self.c._server_versions.update(
+                        {k: v for k, v in tv.items() if isinstance(k, str) and isinstance(v, int)})
+                    self.c._cond.notify_all()
             ps, seqs = h.get("ps") or [], h.get("seqs") or []
             if isinstance(ps, list) and isinstance(seqs, list) and len(ps) == len(seqs):
                 with self.c._cond:
@@ -440,6 +446,10 @@ class Client:
         self._acc_every, self._acc_threshold = 1, None
         self._broker_silent = False
         self._closed = False
+        self._cons: dict[str, dict] = {}             # name -> consistency model (from the broker)
+        self._server_versions: dict[str, int] = {}   # name -> version named in heartbeats
+        self._pulled: dict[str, int] = {}            # name -> version last returned by pull
+        self._bsp_next: dict[str, int] = {}          # name -> version the next pull waits for
         self.ctx = zmq.Context()
         try:
             welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure,
@@ -486,19 +496,34 @@ class Client:
             reply = self._request(wire.CATALOG, names=missing)
             for t in reply["tensors"]:
                 found[t["name"]] = TensorLayout.from_wire(t)
+                self._learn_cons(t)
             absent = [n for n in missing if n not in found]
             if absent:
                 raise error_from(Code.UNKNOWN_KEY.value, f"no such tensor: {', '.join(absent)}")
         return found
 
+    def _learn_cons(self, t: dict) -> None:
+        try:
+            self._cons[t["name"]] = specs.consistency_from_wire(t.get("cons"))
+        except ValueError:
+            pass
+
     # -- public API -----------------------------------------------------------------------
     def init(self, tensors: dict, optimizer: specs.Optimizer | None = None,
-             timeout: float | None = None) -> dict[str, np.ndarray]:
+             timeout: float | None = None, consistency: str | None = None,
+             stale_policy: str = "refuse", scale_lr: bool = False) -> dict[str, np.ndarray]:
         """Create parameters (no-op for names that exist) and return their current weights.
 
         ``tensors`` maps a name to an array (the initial values) or an initializer such as
-        ``gradbus.Normal((784, 128), std=0.01)``.
+        ``gradbus.Normal((784, 128), std=0.01)``. ``consistency``: ``"async"`` (default),
+        ``"ssp:S"`` (bounded staleness; ``stale_policy`` ``"refuse"``: a push computed on
+        weights more than S versions old fails with StaleError, ``"delay"``: ``pull`` waits
+        until the weights are at most S versions behind) or ``"bsp:N"`` (a step is applied once
+        N workers' gradients are in; ``pull`` after a push waits for the step). ``scale_lr``:
+        each gradient is scaled by 1/staleness. Pushes of such tensors carry the version the
+        weights were pulled at, unless ``push(version=...)`` says otherwise.
         """
+        cons = specs.parse_consistency(consistency, stale_policy, scale_lr)
         optimizer = optimizer or specs.SGD(lr=0.01)
         opt = optimizer.to_wire()
         specs.optimizer_from_wire(opt)
@@ -533,9 +558,13 @@ class Client:
                     descs.append(d)
                     bufs.append(buf)
         fut: Future = Future()
+        extra = {"cons": cons} if cons["mode"] != "async" or cons["scale"] else {}
         self._send("msg", lambda msg: [wire.pack(wire.INIT, descs, msg=msg, opt=opt,
-                                                 tensors=metas), *bufs], fut)
+                                                 tensors=metas, **extra), *bufs], fut)
         fut.result(timeout or self.timeout)
+        if extra:   # the model the broker holds (an existing tensor keeps its own)
+            for t in self._request(wire.CATALOG, names=list(tensors))["tensors"]:
+                self._learn_cons(t)
         return self.pull(list(tensors), timeout=timeout)
 
     def push(self, grads: dict, codec: str | None = None, acks: int | str = 1,
@@ -568,6 +597,13 @@ class Client:
                 raise ValueError(f"{name}: gradient shape {arr.shape} does not match "
                                  f"{layout.shape}")
             flats[name] = arr.astype(layout.dtype, copy=False).reshape(-1)
+        modeled = [n for n in grads if self._cons.get(n, {}).get("mode", "async") != "async"]
+        if version is None and modeled:
+            version = min(self._pulled.get(n, self.cache.version(n) if self.cache.tracked(n)
+                                           else 0) for n in modeled)
+        for n in modeled:
+            if self._cons[n]["mode"] == "bsp":
+                self._bsp_next[n] = int(version) + 1     # the next pull waits for the step
         if self._acc_every > 1 or self._acc_threshold is not None:
             flats, counts = self._accumulate(flats, chain, acks)
             if not flats:
@@ -752,9 +788,12 @@ class Client:
                 if self.agent.error is not None or self._closed:
                     self._check_open()
                 ready = all(self.cache.tracked(n) for n in names)
-                if ready and (min_version is None or
-                              all(self.cache.version(n) >= min_version for n in names)):
-                    return {n: self.cache.tensor(n) for n in names}
+                if ready and all(self.cache.version(n) >= self._needed(n, min_version)
+                                 for n in names):
+                    out = {n: self.cache.tensor(n) for n in names}
+                    for n in names:
+                        self._pulled[n] = self.cache.version(n)
+                    return out
                 if self._broker_silent:
                     raise BrokerUnavailableError(
                         f"the broker at {self.url} has been silent for over "
@@ -770,6 +809,20 @@ class Client:
                     raise TimeoutError(f"weights not at version {min_version} after "
                                        f"{timeout}s (have {have})")
                 self._cond.wait(min(left, 0.1))
+
+    def _needed(self, name: str, min_version: int | None) -> int:
+        """The version ``pull`` waits for: the caller's, raised by the tensor's consistency
+        model (ssp with policy delay: at most S behind the broker's latest; bsp: past the step
+        this client last pushed)."""
+        need = -1 if min_version is None else min_version
+        cons = self._cons.get(name)
+        if cons is None or cons["mode"] == "async":
+            return need
+        if cons["mode"] == "ssp" and cons["policy"] == "delay" and name in self._server_versions:
+            need = max(need, self._server_versions[name] - cons["n"])
+        if cons["mode"] == "bsp":
+            need = max(need, self._bsp_next.get(name, -1))
+        return need
 
     @property
     def broker_alive(self) -> bool:

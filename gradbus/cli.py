@@ -647,12 +647,13 @@ def demo(workers, shards, epochs, codec, broker_url, as_json, seed, error_feedba
 @click.option("--error-feedback/--no-error-feedback", default=True)
 @click.option("--accumulate", default=1, type=click.IntRange(1, 1000))
 @click.option("--optimizer", type=click.Choice(["adam", "momentum"]), default="adam")
+@metrics_options
 def worker_cmd(broker_url, index, workers, epochs, codec, seed, error_feedback, accumulate,
-               optimizer):
+               optimizer, metrics_port, metrics_host):
     """Run one demo worker (used by `gradbus demo`; start one by hand to add a worker)."""
     from gradbus import demo as demo_mod
     demo_mod.worker_main(broker_url, index, workers, epochs, codec, seed, error_feedback,
-                         accumulate, optimizer)
+                         accumulate, optimizer, metrics=(metrics_port, metrics_host))
 
 
 @main.group()

@@ -27,8 +27,9 @@ WINDOW = 2  # pushes in flight per worker: compute step N+1 while step N travels
 
 def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, codec: str,
                 seed: int, error_feedback: bool = True, accumulate: int = 1,
-                optimizer: str = "adam") -> None:
-    """One asynchronous worker: pull the freshest weights, compute, push, never wait."""
+                optimizer: str = "adam", metrics: tuple = (None, "127.0.0.1")) -> None:
+    """One asynchronous worker: pull the freshest weights, compute, push, never wait.
+    ``metrics``: (port, host) to serve the client's Prometheus metrics on (port None: off)."""
     epochs = epochs or dm.DEFAULT_EPOCHS
     X, y, _, _ = dm.load_digits_split(seed)
     X, y = X[index::workers], y[index::workers]
@@ -37,28 +38,41 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
     t0 = time.perf_counter()
     with gradbus.connect(broker_url, client_id=f"demo-worker-{index}-{rng.integers(1 << 30)}",
                          window=WINDOW, error_feedback=error_feedback, seed=seed * 1000 + index) as c:
-        _init_when_ready(c, init, OPTIMIZERS[optimizer]())
-        if accumulate > 1:
-            c.accumulate(every=accumulate)
-        names = list(init)
-        steps = 0
-        for epoch in range(epochs):
-            losses = []
-            for Xb, yb in dm.iterate_minibatches(X, y, dm.DEFAULT_BATCH, rng):
-                w = c.pull(names)
-                params = {k[len(PARAM_PREFIX):]: v for k, v in w.items()}
-                loss, grads = dm.loss_and_grads(params, Xb, yb)
-                c.push({PARAM_PREFIX + k: g for k, g in grads.items()}, codec=codec, acks=0)
-                losses.append(loss)
-                steps += 1
-            print(json.dumps({"worker": index, "epoch": epoch + 1, "epochs": epochs,
-                              "loss": float(np.mean(losses)), "pushes": steps}), flush=True)
-        c.flush()
-        print(json.dumps({"worker": index, "done": True, "pushes": steps,
-                          "push_bytes": c.stats["push_bytes"], "recv_bytes": c.stats["recv_bytes"],
-                          "push_raw_bytes": c.stats["push_raw_bytes"],
-                          "cache": dict(c.cache.stats),
-                          "seconds": time.perf_counter() - t0}), flush=True)
+        exporter = None
+        if metrics[0] is not None:
+            from gradbus.metrics import serve_client
+            exporter = serve_client(c, metrics[0], metrics[1])
+            print(json.dumps({"worker": index, "metrics": exporter.url}), flush=True)
+        try:
+            _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optimizer)
+        finally:
+            if exporter is not None:
+                exporter.close()
+
+
+def _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optimizer) -> None:
+    _init_when_ready(c, init, OPTIMIZERS[optimizer]())
+    if accumulate > 1:
+        c.accumulate(every=accumulate)
+    names = list(init)
+    steps = 0
+    for epoch in range(epochs):
+        losses = []
+        for Xb, yb in dm.iterate_minibatches(X, y, dm.DEFAULT_BATCH, rng):
+            w = c.pull(names)
+            params = {k[len(PARAM_PREFIX):]: v for k, v in w.items()}
+            loss, grads = dm.loss_and_grads(params, Xb, yb)
+            c.push({PARAM_PREFIX + k: g for k, g in grads.items()}, codec=codec, acks=0)
+            losses.append(loss)
+            steps += 1
+        print(json.dumps({"worker": index, "epoch": epoch + 1, "epochs": epochs,
+                          "loss": float(np.mean(losses)), "pushes": steps}), flush=True)
+    c.flush()
+    print(json.dumps({"worker": index, "done": True, "pushes": steps,
+                      "push_bytes": c.stats["push_bytes"], "recv_bytes": c.stats["recv_bytes"],
+                      "push_raw_bytes": c.stats["push_raw_bytes"],
+                      "cache": dict(c.cache.stats),
+                      "seconds": time.perf_counter() - t0}), flush=True)
 
 
 def _init_when_ready(client, tensors, optimizer, wait: float = 60.0) -> None:
@@ -88,6 +102,9 @@ def worker_line(index: int, line: str, done: dict, echo=print) -> None:
         return
     if msg.get("done"):
         done[index] = msg
+    elif "epoch" not in msg:
+        echo(f"  worker {index}  " + "  ".join(f"{k} {v}" for k, v in msg.items()
+                                               if k != "worker"))
     elif msg["epoch"] % 5 == 0 or msg["epoch"] == 1:
         echo(f"  worker {index}  epoch {msg['epoch']:>3}/{msg['epochs']}  "
              f"loss {msg['loss']:.4f}  pushes {msg['pushes']}")

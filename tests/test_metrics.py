@@ -118,3 +118,23 @@ def test_every_metric_is_in_the_operations_guide():
     assert len(names) > 30
     missing = [n for n in names if f"`{n}" not in doc]
     assert not missing, missing
+
+
+def test_a_demo_worker_serves_its_metrics(make_cluster):
+    cluster = make_cluster(1)
+    proc = subprocess.Popen([sys.executable, "-m", "gradbus", "worker", "--broker", cluster.url,
+                             "--epochs", "200", "--metrics-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = None
+        while url is None:
+            line = proc.stdout.readline()
+            assert line, "the worker ended without naming its metrics URL"
+            url = json.loads(line).get("metrics")
+        m = wait_for(lambda: (m := _scrape(url)).get("gradbus_client_pushes_total", 0) > 0
+                     and m, 30, "the worker's pushes in its metrics")
+        assert m["gradbus_client_broker_up"] == 1
+    finally:
+        proc.terminate()
+        proc.wait(10)
+        proc.stdout.close()

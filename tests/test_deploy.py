@@ -966,19 +966,20 @@ def test_dockerignore_keeps_what_the_image_copies():
 
 def test_prometheus_scrapes_every_gradbus_process(prom_doc, procs):
     jobs = {j["job_name"] for j in prom_doc["scrape_configs"]}
-    assert jobs == {"gradbus-broker", "gradbus-shard"}
+    assert jobs == {"gradbus-broker", "gradbus-shard", "gradbus-worker"}
     served = {p.service for p in procs if p.where.endswith(" command")
               and p.params.get("metrics_port") is not None}
     targets = {t.rpartition(":")[0] for j in prom_doc["scrape_configs"]
                for sc in j["static_configs"] for t in sc["targets"]}
-    assert served == targets == {"broker", "shard-0", "shard-1", "shard-2"}
+    assert served == targets == {"broker", "shard-0", "shard-1", "shard-2", "worker-0",
+                                 "worker-1"}
 
 
 def test_grafana_dashboard_uses_exported_metrics(procs, prom_doc, compose_doc):
     dash = json.loads(DASHBOARD.read_text())
     scraped = {p.service for p in procs if p.params.get("metrics_port") is not None}
     roles = {p.command for p in procs if p.service in scraped and p.where.endswith(" command")}
-    assert roles == {"broker", "shard"}
+    assert roles == {"broker", "shard", "worker"}
     assert check_dashboard(dash, roles, _ds_uid()) == []
     # the panels the dashboard is for
     text = " ".join(e for _, e in dashboard_exprs(dash))

@@ -14,6 +14,7 @@ Tensor frames are passed through as the objects the loop received (``zmq.Frame``
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
@@ -65,6 +66,9 @@ class ClientInfo:
     pushes: int = 0
     seen: OrderedDict = field(default_factory=OrderedDict)  # msg_id -> "pending"|ack/err frames
     errors: dict = field(default_factory=lambda: defaultdict(int))  # code -> pushes refused
+    rate: float = 0.0              # pushes per second, smoothed over about 5 s
+    rate_at: float = 0.0
+    staleness: float | None = None     # versions behind on arrival, smoothed
 
 
 @dataclass
@@ -408,6 +412,7 @@ class BrokerCore:
         self.counters["push_decoded_bytes"] += decoded
         self._remember(client, msg, "pending")
         client.pushes += 1
+        self._client_rate(client)
         self.counters["pushes_received"] += 1
         for t in tensors.values():
             t.pushers.add(client.identity)
@@ -436,6 +441,8 @@ class BrokerCore:
                 continue
             st = max(0, t.version - ver)
             self.h_staleness.observe(st)
+            client.staleness = st if client.staleness is None else \
+                0.9 * client.staleness + 0.1 * st
             if t.cons["mode"] == "ssp" and t.cons["policy"] == "refuse" and st > t.cons["n"]:
                 client.errors[Code.STALE.value] += 1
                 raise WireError(Code.STALE, f"{name}: computed on version {ver}, {st} behind "
@@ -449,6 +456,13 @@ class BrokerCore:
             if t.cons["scale"] and st > 1:
                 weights[name] = 1.0 / st
         return weights, barrier
+
+    def _client_rate(self, c: ClientInfo) -> None:
+        """An exponentially smoothed push rate (time constant 5 s)."""
+        dt = max(self.now - c.rate_at, 1e-6)
+        decay = math.exp(-dt / 5.0)
+        c.rate = c.rate * decay + (1 - decay) / dt
+        c.rate_at = self.now
 
     def _release_barriers(self) -> list:
         """Release every bsp step whose gradients are in: from N workers, or from every
@@ -1436,6 +1450,9 @@ class BrokerCore:
                            "bytes": s.bytes, "inflight": s.inflight,
                            "last_seen_s": round(now - s.last_seen, 3), "info": s.info})
         workers = [{"id": c.identity.hex(), "pushes": c.pushes, "errors": dict(c.errors),
+                    "pushes_per_s": round(c.rate * math.exp(-max(0.0, now - c.rate_at) / 5.0),
+                                          2),
+                    "staleness": None if c.staleness is None else round(c.staleness, 2),
                     "last_seen_s": round(now - c.last_seen, 3)}
                    for c in self.clients.values()]
         tensors = [{"name": n, "dtype": t.layout.dtype, "shape": list(t.layout.shape),

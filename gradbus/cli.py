@@ -569,10 +569,13 @@ def status(broker_url, as_json, timeout, curve):
                    f"{_fmt_bytes(s['bytes']):>12}{s['info'].get('pushes_applied', 0):>10}"
                    f"{s['inflight']:>10}{s['last_seen_s']:>7.1f}s")
     click.echo("")
-    click.echo(f"{'WORKER':<34}{'PUSHES':>10}{'REFUSED':>9}{'SEEN':>8}")
+    click.echo(f"{'WORKER':<34}{'PUSHES':>10}{'RATE/S':>8}{'STALENESS':>10}{'REFUSED':>9}"
+               f"{'SEEN':>8}")
     for w in st["workers"]:
-        click.echo(f"{w['id']:<34}{w['pushes']:>10}{sum(w.get('errors', {}).values()):>9}"
-                   f"{w['last_seen_s']:>7.1f}s")
+        stale = w.get("staleness")
+        click.echo(f"{w['id']:<34}{w['pushes']:>10}{w.get('pushes_per_s', 0):>8.1f}"
+                   f"{'-' if stale is None else f'{stale:.1f}':>10}"
+                   f"{sum(w.get('errors', {}).values()):>9}{w['last_seen_s']:>7.1f}s")
     click.echo("")
     click.echo(f"{'TENSOR':<24}{'DTYPE':<9}{'SHAPE':<18}{'BLOCKS':>7}{'VERSION':>9}  OPTIMIZER")
     for t in st["tensors"]:

@@ -50,6 +50,9 @@ def test_ssp_refuses_a_push_computed_too_far_behind():
     st = rig.broker.status(0)
     assert st["staleness"]["count"] == 7 and st["counters"]["pushes_received"] == 6
     assert [w["errors"] for w in st["workers"] if w["id"] == b"late".hex()] == [{"STALE": 1}]
+    late = [w for w in st["workers"] if w["id"] == b"late".hex()][0]
+    on_time = [w for w in st["workers"] if w["id"] == b"c".hex()][0]
+    assert on_time["staleness"] == 0 and late["staleness"] > 0     # smoothed, per worker
 
 
 def test_staleness_scaled_step():

@@ -515,6 +515,20 @@ def encode(arr: np.ndarray, chain: str = "raw", rng: np.random.Generator | None 
     else:
         values = flat
     arrays = _encode_values(values, st.coder, rng)
+    applied, buf = assemble(st, prefix, arrays)
+    if not want_decoded:
+        return applied, buf
+    decoded = _decode_values(arrays, st.coder, a.dtype, len(values))
+    if st.sparse:
+        dense = np.zeros(flat.size, a.dtype)
+        dense[idx] = decoded
+        decoded = dense
+    return applied, buf, decoded.reshape(shape)
+
+
+def assemble(st: Stages, prefix: list, arrays: list):
+    """The frame from the index section (``prefix``) and the value sections: shuffled and
+    zstd-compressed where the chain asks and it pays. Returns ``(applied chain, buffer)``."""
     plain = prefix + arrays
     staged = prefix + [_shuffle(x) for x in arrays] if st.shuffle else plain
     applied, buf = st.text(st.shuffle, False), _join(staged)
@@ -525,14 +539,7 @@ def encode(arr: np.ndarray, chain: str = "raw", rng: np.random.Generator | None 
             applied, buf = st.text(st.shuffle, True), packed
         elif st.shuffle:                # shuffling only pays with zstd
             applied, buf = st.text(False, False), _join(plain)
-    if not want_decoded:
-        return applied, buf
-    decoded = _decode_values(arrays, st.coder, a.dtype, len(values))
-    if st.sparse:
-        dense = np.zeros(flat.size, a.dtype)
-        dense[idx] = decoded
-        decoded = dense
-    return applied, buf, decoded.reshape(shape)
+    return applied, buf
 
 
 def encoded_len_fixed(chain: str, dtype: str, shape) -> int | None:

@@ -30,6 +30,7 @@ import msgpack
 import numpy as np
 import xxhash
 
+from . import device
 from . import tensor as tcodec
 from .errors import Code, WireError
 
@@ -150,7 +151,7 @@ def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | 
                   rng=None):
     """Encode one tensor: returns ``(desc dict, frame buffer)``. ``rng`` feeds the stochastic
     codecs (randomk, int8 rounding)."""
-    applied, buf = tcodec.encode(arr, chain, rng=rng)
+    applied, buf = _encoder(arr)(arr, chain, rng=rng)
     return _desc(key, arr, applied, buf, version), buf
 
 
@@ -158,8 +159,13 @@ def encode_tensor_lossy(key: str, arr: np.ndarray, chain: str, rng=None,
                         version: int | None = None):
     """Encode one tensor and also return what the receiver will decode:
     ``(desc dict, frame buffer, decoded array)`` (for error feedback and weight deltas)."""
-    applied, buf, decoded = tcodec.encode(arr, chain, rng=rng, want_decoded=True)
+    applied, buf, decoded = _encoder(arr)(arr, chain, rng=rng, want_decoded=True)
     return _desc(key, arr, applied, buf, version), buf, decoded
+
+
+def _encoder(arr):
+    """The host codec, or for a GPU array the device one (only compressed bytes cross)."""
+    return device.encode if device.is_device(arr) else tcodec.encode
 
 
 def split_weights_codec(chain: str) -> tuple[bool, str]:

@@ -51,11 +51,13 @@ class ParameterServerModule(torch.nn.Module):
       worker keeps its own.
     * CPU tensors: gradients go to the SDK as ``.numpy()`` views (no copy in the adapter), and
       weights are copied once, from the cache straight into the parameters.
-    * CUDA tensors: the SDK's ``Client.push`` takes numpy arrays only (it calls ``np.asarray``,
-      which CuPy arrays refuse, and its codecs are numpy code), so each gradient is copied to a
-      pinned host buffer (reused from step to step) and encoded on the host; weights are copied
-      from the host cache to the device. The uncompressed gradient therefore crosses PCIe once
-      per step.
+    * CUDA tensors, with CuPy installed: each gradient is handed to the SDK as a CuPy view of
+      the same device memory (DLPack, no copy); the SDK selects and casts it on the GPU for
+      chains whose value coder is raw, fp16 or bf16 (``codecs/device.py``), so only the
+      compressed bytes cross to the host, and keeps the error-feedback residual on the GPU.
+      int8/sign chains, local accumulation, or no CuPy: the gradient is copied to a pinned host
+      buffer (reused from step to step) and encoded on the host. Weights are copied from the
+      host cache to the device.
     * Not thread-safe: one thread drives a ``ParameterServerModule``.
     """
 
@@ -137,6 +139,11 @@ class ParameterServerModule(torch.nn.Module):
             if g.device.type == "cpu":
                 out[name] = g.numpy()        # a view, no copy
                 continue
+            dev_view = _cupy_view(g, self.codec or self.client.codec, self.client)
+            if dev_view is not None:
+                on_device.add(g.device)      # the SDK reads it on its stream: sync first
+                out[name] = dev_view
+                continue
             buf = self._staging.get(name)
             if buf is None or buf.shape != g.shape or buf.dtype != g.dtype:
                 buf = self._staging[name] = torch.empty(g.shape, dtype=g.dtype, pin_memory=True)
@@ -152,6 +159,20 @@ class ParameterServerModule(torch.nn.Module):
             for name, p in self._params.items():
                 p.copy_(_as_tensor(weights[self._keys[name]]).reshape(p.shape))
         self.version = min(versions[k] for k in self._trainable or versions)
+
+
+def _cupy_view(g: torch.Tensor, chain: str, client):
+    """A CuPy array on ``g``'s device memory (no copy) when the SDK can encode ``chain`` on the
+    device; None otherwise (no CuPy, a host-only value coder, local accumulation on)."""
+    from gradbus.codecs import device, tensor as tcodec
+    if (tcodec.parse_stages(chain).coder not in device.DEVICE_CODERS
+            or client._acc_every > 1 or client._acc_threshold is not None):
+        return None
+    try:
+        import cupy
+    except ImportError:
+        return None
+    return cupy.from_dlpack(g.contiguous())
 
 
 def _as_tensor(a: np.ndarray) -> torch.Tensor:

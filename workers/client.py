@@ -23,7 +23,7 @@ from concurrent.futures import Future
 import numpy as np
 import zmq
 
-from gradbus.codecs import net, security, specs, timing, wire
+from gradbus.codecs import device, net, security, specs, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError, ClosedError, Code,
                                    GradbusError, ShardUnavailableError, WireError, error_from)
@@ -590,9 +590,18 @@ class Client:
             raise self._async_errors.pop(0)
         layouts = self._layouts(list(grads))
         flats = {}
+        accumulating = self._acc_every > 1 or self._acc_threshold is not None
         for name, g in grads.items():
             layout = layouts[name]
-            arr = np.asarray(g)
+            if device.is_device(g) and not accumulating:
+                # a GPU gradient stays on the GPU: it is encoded there (codecs/device.py) and
+                # only the compressed bytes are copied to the host
+                if g.shape != layout.shape and g.size != layout.size:
+                    raise ValueError(f"{name}: gradient shape {g.shape} does not match "
+                                     f"{layout.shape}")
+                flats[name] = g.astype(layout.dtype, copy=False).reshape(-1)
+                continue
+            arr = device.to_host(g) if device.is_device(g) else np.asarray(g)
             if arr.shape != layout.shape and arr.size != layout.size:
                 raise ValueError(f"{name}: gradient shape {arr.shape} does not match "
                                  f"{layout.shape}")
@@ -628,15 +637,18 @@ class Client:
             for i, key in enumerate(layout.block_keys()):
                 a, b = layout.block_range(i)
                 block = flat[a:b]
+                on_device = device.is_device(block)
                 if lossy:
                     res = self._residual.get(key)
-                    if res is not None:
-                        block = block + res
+                    if res is not None:     # kept where the gradients live
+                        block = block + (device.array_module(block).asarray(res) if on_device
+                                         else device.to_host(res))
                     d, buf, decoded = wire.encode_tensor_lossy(key, block, chain, self._rng)
-                    residuals[key] = np.subtract(block, decoded, dtype=block.dtype)
+                    residuals[key] = (block - decoded).astype(block.dtype, copy=False)
                 else:
                     d, buf = wire.encode_tensor(key, block, chain, rng=self._rng)
-                    buf = net.detach(buf, flat)   # never send the caller's own memory
+                    if not on_device:
+                        buf = net.detach(buf, flat)   # never send the caller's own memory
                 if cnt != 1:
                     d["cnt"] = cnt      # the shard applies it as cnt gradients (steps of the mean)
                 descs.append(d)
@@ -757,7 +769,7 @@ class Client:
         return {"push_bytes": wire_b, "push_raw_bytes": raw,
                 "ratio": (raw / wire_b) if wire_b else None,
                 "error_feedback_keys": len(res),
-                "error_feedback_norm": float(np.sqrt(sum(float(np.dot(r, r)) for r in res))),
+                "error_feedback_norm": float(np.sqrt(sum(float((r * r).sum()) for r in res))),
                 "accumulating_keys": len(self._acc)}
 
     def pull(self, keys=None, min_version: int | None = None,

@@ -1,0 +1,105 @@
+"""Encoding a gradient where it lives: the device path (codecs/device.py) runs on the CPU here
+through an array-module stand-in, and must produce the host codec's frames bit for bit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gradbus
+from gradbus.codecs import device, tensor
+
+DETERMINISTIC = ["raw", "fp16", "bf16", "topk:0.01", "topk:0.05|bf16", "topk:0.1|fp16|zstd",
+                 "bf16|shuffle|zstd", "fp16|zstd", "topk:1|raw"]
+
+
+class _NumpyAsDevice:
+    """An array module that is not numpy (so the device branch runs) but computes with it."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+XP = _NumpyAsDevice()
+
+
+class Dev(np.ndarray):
+    """A 'device' array for the CPU tests."""
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    real = device.array_module
+    monkeypatch.setattr(device, "array_module",
+                        lambda a: XP if isinstance(a, Dev) else real(a))
+    host_calls = []
+    encode = tensor.encode
+
+    def spy(arr, *a, **kw):
+        host_calls.append(np.asarray(arr).size)
+        return encode(arr, *a, **kw)
+    monkeypatch.setattr(device.tcodec, "encode", spy)
+    return host_calls
+
+
+def _gradient(n=5000, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-20, 20, n))).astype(dtype)
+    x[[3, 70]] = np.nan
+    x[5], x[6], x[9] = np.inf, -np.inf, -0.0
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("chain", DETERMINISTIC)
+def test_device_path_frames_equal_the_host_codec(chain, dtype):
+    x = _gradient(dtype=dtype)
+    a1, b1, d1 = tensor.encode(x, chain, want_decoded=True)
+    a2, b2, d2 = device.encode(x, chain, want_decoded=True, xp=XP)
+    assert a1 == a2 and bytes(memoryview(b1)) == bytes(memoryview(b2))
+    assert np.array_equal(d1, d2, equal_nan=True) and d2.dtype == dtype
+
+
+def test_int8_and_sign_fall_back_to_the_host(fake_device):
+    before = device.device_fallbacks
+    x = _gradient().view(Dev)
+    applied, buf = device.encode(x, "int8")
+    assert applied == "int8" and device.device_fallbacks == before + 1
+    assert fake_device == [x.size]          # the whole gradient went through the host codec
+
+
+@pytest.mark.parametrize("chain", ["raw", "topk:0.1|bf16", "fp16|zstd"])
+def test_sdk_pushes_device_gradients_like_host_ones(make_cluster, fake_device, chain):
+    """Two clients push the same gradients, one as host arrays, one as 'device' arrays: the
+    weights end equal, the error-feedback residuals stay device arrays, and the host codec never
+    sees a whole gradient."""
+    cluster = make_cluster(1)
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(3000).astype(np.float32) for _ in range(6)]
+    out = {}
+    for name, wrap in (("host", lambda g: g), ("dev", lambda g: g.view(Dev))):
+        with gradbus.connect(cluster.url, block_bytes=4096, seed=0) as c:
+            c.init({name: np.zeros(3000, np.float32)}, optimizer=gradbus.SGD(lr=0.5))
+            fake_device.clear()             # count only this client's pushes' host encodes
+            for g in grads:
+                c.push({name: wrap(g)}, codec=chain).result(10)
+            out[name] = c.pull([name], min_version=len(grads))[name]
+            if name == "dev" and tensor.is_lossy(chain):
+                assert c._residual and all(isinstance(r, Dev) for r in c._residual.values())
+                assert c.compression_stats()["error_feedback_norm"] > 0
+    assert np.array_equal(out["host"], out["dev"])
+    assert fake_device == []
+
+
+@pytest.mark.gpu
+def test_cupy_gradient_is_encoded_on_the_gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        cupy.cuda.runtime.getDeviceCount()
+    except Exception:
+        pytest.skip("no CUDA device")
+    x = _gradient()
+    for chain in DETERMINISTIC:
+        a1, b1, d1 = tensor.encode(x, chain, want_decoded=True)
+        a2, b2, d2 = device.encode(cupy.asarray(x), chain, want_decoded=True)
+        assert a1 == a2 and bytes(memoryview(b1)) == bytes(memoryview(b2)), chain
+        assert np.array_equal(d1, cupy.asnumpy(d2), equal_nan=True)

@@ -9,6 +9,14 @@ import pytest
 
 from gradbus.cluster import LocalCluster
 
+try:   # CI runs the property tests on fixed examples (reproducible); locally they stay random
+    from hypothesis import settings as _hyp_settings
+    _hyp_settings.register_profile("ci", derandomize=True)
+    if os.environ.get("CI"):
+        _hyp_settings.load_profile("ci")
+except ImportError:
+    pass
+
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
     """Poll ``cond`` until truthy or fail after ``timeout`` seconds (no fixed sleeps)."""

@@ -41,10 +41,6 @@ MAX_SYNCS = 32                   # partitions catching up on standbys at once
 ALL = wire.ACKS_ALL
 
 
-def _flen(frame) -> int:
-    return frame.buffer.nbytes if hasattr(frame, "buffer") else len(frame)
-
-
 @dataclass
 class ShardInfo:
     id: str
@@ -99,13 +95,33 @@ class Tensor:
     opt: dict
     versions: dict = field(default_factory=dict)   # block index -> last version seen
     cons: dict = field(default_factory=lambda: specs.consistency_from_wire(None))
-    pushers: set = field(default_factory=set)      # clients that pushed it (bsp barriers)
 
     @property
     def version(self) -> int:
         if len(self.versions) < self.layout.nblocks:
             return 0
         return min(self.versions.values())
+
+
+#: counters exported as ``gradbus_broker_<name>_total``: (name, counters key, help)
+_BROKER_COUNTERS = (
+    ("pushes_received", "pushes_received", "Pushes accepted from clients."),
+    ("pushes_applied", "pushes_applied", "Pushes applied and acknowledged."),
+    ("push_wire_bytes", "push_wire_bytes", "Gradient bytes received, as encoded on the wire."),
+    ("push_decoded_bytes", "push_decoded_bytes",
+     "Gradient bytes received, decoded (dense parameter bytes)."),
+    ("batches", "batches", "Batch messages sent to shards."),
+    ("duplicates", "duplicates", "Pushes or inits received again (resends) and not applied again."),
+    ("failovers", "failovers", "Partitions whose primary was replaced by a standby."),
+    ("shard_deaths", "shards_lost",
+     "Shards declared dead (silent past liveness, bye, or restarted)."),
+    ("fenced_partitions", "fenced_partitions",
+     "Stale partitions a returning shard was told to drop."),
+    ("partition_moves", "moves", "Partition moves finished (rebalance, drain, a new shard)."),
+    ("replayed_batches", "replayed", "Batches replayed from an update log."),
+    ("standbys_synced", "standbys_synced",
+     "Standbys that finished catching up on a partition."),
+)
 
 
 class BrokerCore:
@@ -202,9 +218,7 @@ class BrokerCore:
                 if replay_until is not None and h["time"] > replay_until:
                     continue
                 for e in h["e"]:
-                    if e.get("op") == "init" and e["layout"]["name"] not in self.catalog:
-                        layout = TensorLayout.from_wire(e["layout"])
-                        self.catalog[layout.name] = Tensor(layout, e["opt"])
+                    self._catalog_init_entry(e)
 
     # ------------------------------------------------------------------ helpers
     def accepting(self) -> bool:
@@ -399,7 +413,7 @@ class BrokerCore:
             self._live_owner(d.key, p)
             routed.append((p, d, fr, t))
             tensors[t.layout.name] = t
-            decoded += (stop - start) * (8 if d.dtype == "float64" else 4)
+            decoded += t.layout.block_bytes(idx)
         if not routed:
             raise WireError(Code.BAD_REQUEST, "push carries no tensors")
         acks = h["acks"]
@@ -414,8 +428,6 @@ class BrokerCore:
         client.pushes += 1
         self._client_rate(client)
         self.counters["pushes_received"] += 1
-        for t in tensors.values():
-            t.pushers.add(client.identity)
         if bsp is not None:    # held until the step's gradients are all in
             bsp["held"].append((client, h, routed, weights))
             bsp["clients"].add(client.identity)
@@ -498,7 +510,7 @@ class BrokerCore:
     def _enqueue(self, p: int, entry: dict, raw_desc, frame, ref) -> None:
         self.pending_entries[p].append((entry, raw_desc, frame, ref))
         if frame is not None:
-            self.pending_bytes += _flen(frame)
+            self.pending_bytes += wire.frame_len(frame)
 
     def _init(self, client: ClientInfo, h: dict, frames: list) -> list:
         msg = h["msg"]
@@ -556,12 +568,8 @@ class BrokerCore:
         for layout, rule, key, g in plan:
             layouts[layout.name] = layout
             p = partition_of(key, self.P)
-            start, stop = layout.block_range(split_key(key)[1])
-            nbytes = (stop - start) * (8 if layout.dtype == "float64" else 4)
             self._place(p)
-            self.pbytes[p] += nbytes
-            for sid in (*self._members(p), *self.syncing.get(p, ())):
-                self.shards[sid].bytes += nbytes
+            self._account(p, layout.block_bytes(split_key(key)[1]))
             entry = {"op": "init", "key": key, "layout": layout.to_wire(), "rule": rule,
                      "opt": opt}
             self._enqueue(p, entry, g[1] if g else None, g[2] if g else None, ref)
@@ -639,6 +647,14 @@ class BrokerCore:
                 return False
         return True
 
+    def _send_group(self, group: tuple, msg: list, actions: list) -> None:
+        """One BATCH to every live receiver of a replica group; each uses a credit."""
+        for sid in (group[0], *group[1], *group[2]):
+            sh = self.shards.get(sid)
+            if sh is not None and sh.alive:
+                sh.inflight += 1
+                actions.append((BACK, sh.identity, msg))
+
     def flush(self, now: float) -> list:
         """Turn pending entries into sequenced batches: one message per replica group that has
         credit, the same header and tensor frames to every replica of those partitions."""
@@ -654,7 +670,7 @@ class BrokerCore:
         for group, parts in groups.items():
             if not self._can_send(group):
                 continue
-            primary, standbys, catching_up = group
+            primary, standbys, _ = group
             header_parts, t_list, frames, nbytes = [], [], [], 0
             for p in parts:
                 if nbytes >= self.max_batch_bytes:
@@ -662,7 +678,7 @@ class BrokerCore:
                 entries = self.pending_entries[p]
                 take = 0
                 for entry, raw, fr, ref in entries:
-                    size = _flen(fr) if fr is not None else 0
+                    size = wire.frame_len(fr) if fr is not None else 0
                     if take and nbytes + size > self.max_batch_bytes:
                         break
                     nbytes += size
@@ -680,7 +696,7 @@ class BrokerCore:
                         e["i"] = len(frames)
                         t_list.append(raw)
                         frames.append(fr)
-                        self.pending_bytes -= _flen(fr)
+                        self.pending_bytes -= wire.frame_len(fr)
                     ents.append(e)
                     refs.append(ref)
                 header_parts.append({"p": p, "seq": self.seq[p], "epoch": self.epochs[p],
@@ -692,11 +708,7 @@ class BrokerCore:
                 self.log.append(header_parts, t_list, frames, self.wall())
             self.counters["batches"] += 1
             self.counters["batched_entries"] += sum(len(x["e"]) for x in header_parts)
-            for sid in (primary, *standbys, *catching_up):
-                sh = self.shards.get(sid)
-                if sh is not None and sh.alive:
-                    sh.inflight += 1
-                    actions.append((BACK, sh.identity, [hdr, *frames]))
+            self._send_group(group, [hdr, *frames], actions)
         for s in self.shards.values():
             if not s.queued_snapshots or not s.alive:
                 continue
@@ -816,15 +828,16 @@ class BrokerCore:
                 actions += self._shard_dead(s, now, "re-registered")
             # A sole owner that comes back without its partitions lost them, unless the update
             # log holds them from the start; one that comes back behind is brought up to date.
+            own_log: list = []        # this broker's log, read once for all its partitions
             for p in list(s.partitions):
                 if self.owners[p] == sid and p not in holds:
-                    if self._replay_own_log(p, 0):
+                    if self._replay_own_log(p, 0, own_log):
                         self.lost.discard(p)
                     else:
                         self.lost.add(p)
                 elif self.owners[p] != sid:
                     s.partitions.discard(p)
-                elif holds[p][1] < self.seq[p] and self._replay_own_log(p, holds[p][1]):
+                elif holds[p][1] < self.seq[p] and self._replay_own_log(p, holds[p][1], own_log):
                     log.info("shard %s is behind on partition %d (seq %d < %d): replaying "
                              "the update log", sid, p, holds[p][1], self.seq[p])
             s.identity, s.alive, s.last_seen, s.inflight = identity, True, now, 0
@@ -871,14 +884,18 @@ class BrokerCore:
             return True
         return self.now - self.started >= self.recovery_grace
 
-    def _replay_own_log(self, p: int, after: int) -> bool:
+    def _replay_own_log(self, p: int, after: int, index: list) -> bool:
         """Rebuild partition p on its returning sole owner from this broker's own update log
-        (every logged batch after ``after``); False when the log does not cover it."""
+        (every logged batch after ``after``); False when the log does not cover it. ``index``
+        holds the log's index once read (empty until then), shared by the calls of one
+        registration."""
         if self.log is None:
             return False
-        from .log import LogIndex
-        self.log.sync()
-        recs = LogIndex(self.log.dir).after(p, after)
+        if not index:
+            from .log import LogIndex
+            self.log.sync()
+            index.append(LogIndex(self.log.dir))
+        recs = index[0].after(p, after)
         if not recs or recs[0][0]["seq"] != after + 1:
             return False
         self.replaying[p] = recs
@@ -902,18 +919,13 @@ class BrokerCore:
             while self.replaying.get(p) and self._can_send(group):
                 h, frames = self.replaying[p].pop(0)
                 self._learn_inits(p, h)
-                primary, standbys, catching_up = group
-                part = {"p": p, "seq": h["seq"], "epoch": self.epochs[p], "o": primary,
+                part = {"p": p, "seq": h["seq"], "epoch": self.epochs[p], "o": group[0],
                         "e": h["e"]}
                 self.seq[p] = max(self.seq[p], h["seq"])
                 hdr = wire.pack(wire.BATCH, h["t"], parts=[part])
                 if self.log is not None and p not in self.no_relog:
                     self.log.append([part], h["t"], frames, h["time"])
-                for sid in (primary, *standbys, *catching_up):
-                    sh = self.shards.get(sid)
-                    if sh is not None and sh.alive:
-                        sh.inflight += 1
-                        actions.append((BACK, sh.identity, [hdr, *frames]))
+                self._send_group(group, [hdr, *frames], actions)
                 self.counters["replayed"] += 1
             if not self.replaying.get(p):
                 self.replaying.pop(p, None)
@@ -922,16 +934,25 @@ class BrokerCore:
     def _learn_inits(self, p: int, h: dict) -> None:
         """A replayed INIT entry of a tensor this broker does not know yet enters the catalog."""
         for e in h["e"]:
-            if e.get("op") != "init":
-                continue
-            layout = TensorLayout.from_wire(e["layout"])
-            if layout.name not in self.catalog:
-                self.catalog[layout.name] = Tensor(layout, e["opt"])
-            start, stop = layout.block_range(split_key(e["key"])[1])
-            nbytes = (stop - start) * (8 if layout.dtype == "float64" else 4)
-            self.pbytes[p] += nbytes
-            for sid in self._members(p):
-                self.shards[sid].bytes += nbytes
+            layout = self._catalog_init_entry(e)
+            if layout is not None:
+                self._account(p, layout.block_bytes(split_key(e["key"])[1]))
+
+    def _catalog_init_entry(self, e: dict) -> TensorLayout | None:
+        """The layout of a logged INIT entry (None for other entries), put in the catalog if
+        the tensor is new to it."""
+        if e.get("op") != "init":
+            return None
+        layout = TensorLayout.from_wire(e["layout"])
+        if layout.name not in self.catalog:
+            self.catalog[layout.name] = Tensor(layout, e["opt"])
+        return layout
+
+    def _account(self, p: int, nbytes: int) -> None:
+        """Parameter bytes added to partition p, counted on every shard holding a copy."""
+        self.pbytes[p] += nbytes
+        for sid in (*self._members(p), *self.syncing.get(p, ())):
+            self.shards[sid].bytes += nbytes
 
     def _learn_catalog(self, h: dict) -> dict[int, int]:
         """Tensors and block versions a registering shard holds that this broker does not know
@@ -958,9 +979,7 @@ class BrokerCore:
                 except (WireError, TypeError):
                     continue
                 t.versions.setdefault(idx, b[1])
-                start, stop = t.layout.block_range(idx)
-                held[partition_of(b[0], self.P)] += (stop - start) * (
-                    8 if t.layout.dtype == "float64" else 4)
+                held[partition_of(b[0], self.P)] += t.layout.block_bytes(idx)
         return held
 
     def _adopt(self, s: ShardInfo, p: int, state: tuple, nbytes: int) -> bool:
@@ -1076,7 +1095,7 @@ class BrokerCore:
                 or to not in self.syncing.get(p, ())):
             self.counters["states_discarded"] += 1
             return []
-        self.counters["state_bytes"] += sum(_flen(f) for f in frames[1:])
+        self.counters["state_bytes"] += sum(wire.frame_len(f) for f in frames[1:])
         return [(BACK, target.identity, frames)]
 
     def _synced(self, s: ShardInfo, h: dict, now: float) -> list:
@@ -1363,7 +1382,7 @@ class BrokerCore:
                 actions += self._settle(ref, err)
         for entry, raw, fr, ref in self.pending_entries.pop(p, []):
             if fr is not None:
-                self.pending_bytes -= _flen(fr)
+                self.pending_bytes -= wire.frame_len(fr)
             actions += self._settle(ref, err)
         return actions
 
@@ -1459,17 +1478,17 @@ class BrokerCore:
                     "blocks": t.layout.nblocks, "version": t.version,
                     "optimizer": t.opt.get("name")} for n, t in sorted(self.catalog.items())]
         down = self._down()
+        urls = {s.id: s.info["metrics_url"] for s in self.shards.values()
+                if s.alive and s.info.get("metrics_url")}
+        if self.metrics_url or urls:
+            urls = {"broker": self.metrics_url, **urls}
         return {"uptime_s": round(now - self.started, 3), "partitions": self.P,
                 "metrics_url": self.metrics_url,
-                "metrics_urls": {"broker": self.metrics_url, **{
-                    s.id: s.info.get("metrics_url") for s in self.shards.values()
-                    if s.alive and s.info.get("metrics_url")}} if self.metrics_url or any(
-                    s.info.get("metrics_url") for s in self.shards.values()) else {},
+                "metrics_urls": urls,
                 "partitions_assigned": sum(1 for o in self.owners if o),
                 "partitions_down": down, "table_version": self.table_version,
                 "replicas": self.replicas,
-                "under_replicated": sum(1 for p, o in enumerate(self.owners) if o and 1 + len(
-                    self.standbys[p]) < self.replicas),
+                "under_replicated": self._under_replicated(),
                 "failovers": self.failovers[-20:],
                 "moves": self.move_log[-20:],
                 "moves_in_progress": [{"p": p, **mv} for p, mv in sorted(self.moves.items())],
@@ -1483,44 +1502,23 @@ class BrokerCore:
                               if self.h_staleness.count else None},
                 "errors": dict(self.errors)}
 
+    def _under_replicated(self) -> int:
+        """Placed partitions with fewer in-sync copies than ``replicas``."""
+        return sum(1 for p, o in enumerate(self.owners)
+                   if o and 1 + len(self.standbys[p]) < self.replicas)
+
     def metrics(self, now: float) -> dict:
         """A snapshot for the Prometheus exporter (built on the loop's thread)."""
         c = self.counters
         alive = {s.id: int(s.alive) for s in self.shards.values()}
         wire_b, dec_b = c.get("push_wire_bytes", 0), c.get("push_decoded_bytes", 0)
-        m = {
-            "gradbus_broker_pushes_received": stats.counter(
-                "Pushes accepted from clients.", c.get("pushes_received", 0)),
-            "gradbus_broker_pushes_applied": stats.counter(
-                "Pushes applied and acknowledged.", c.get("pushes_applied", 0)),
-            "gradbus_broker_push_wire_bytes": stats.counter(
-                "Gradient bytes received, as encoded on the wire.", wire_b),
-            "gradbus_broker_push_decoded_bytes": stats.counter(
-                "Gradient bytes received, decoded (dense parameter bytes).", dec_b),
+        m = {f"gradbus_broker_{name}": stats.counter(help_, c.get(key, 0))
+             for name, key, help_ in _BROKER_COUNTERS}
+        m.update({
             "gradbus_broker_compression_ratio": stats.gauge(
                 "Decoded over wire bytes of all pushes so far.", dec_b / wire_b if wire_b else 1.0),
-            "gradbus_broker_batches": stats.counter("Batch messages sent to shards.",
-                                                    c.get("batches", 0)),
-            "gradbus_broker_duplicates": stats.counter(
-                "Pushes or inits received again (resends) and not applied again.",
-                c.get("duplicates", 0)),
-            "gradbus_broker_failovers": stats.counter(
-                "Partitions whose primary was replaced by a standby.", c.get("failovers", 0)),
-            "gradbus_broker_shard_deaths": stats.counter(
-                "Shards declared dead (silent past liveness, bye, or restarted).",
-                c.get("shards_lost", 0)),
-            "gradbus_broker_fenced_partitions": stats.counter(
-                "Stale partitions a returning shard was told to drop.",
-                c.get("fenced_partitions", 0)),
-            "gradbus_broker_partition_moves": stats.counter(
-                "Partition moves finished (rebalance, drain, a new shard).", c.get("moves", 0)),
             "gradbus_broker_partition_moves_in_progress": stats.gauge(
                 "Partition moves under way.", len(self.moves)),
-            "gradbus_broker_replayed_batches": stats.counter(
-                "Batches replayed from an update log.", c.get("replayed", 0)),
-            "gradbus_broker_standbys_synced": stats.counter(
-                "Standbys that finished catching up on a partition.",
-                c.get("standbys_synced", 0)),
             "gradbus_broker_errors": stats.labelled("counter", "Errors by code.", "code",
                                                     dict(self.errors)),
             "gradbus_broker_pending_bytes": stats.gauge(
@@ -1539,8 +1537,7 @@ class BrokerCore:
                 "Partitions with no live primary.", len(self._down())),
             "gradbus_broker_under_replicated_partitions": stats.gauge(
                 "Partitions with fewer in-sync copies than --replicas.",
-                sum(1 for p, o in enumerate(self.owners)
-                    if o and 1 + len(self.standbys[p]) < self.replicas)),
+                self._under_replicated()),
             "gradbus_broker_workers": stats.gauge("Clients currently known.", len(self.clients)),
             "gradbus_broker_batch_entries": stats.histogram(
                 "Entries (pushes and inits) per partition batch.", self.h_batch),
@@ -1552,7 +1549,7 @@ class BrokerCore:
             "gradbus_broker_staleness": stats.histogram(
                 "Versions a push's weights were behind the tensor's on arrival (pushes that "
                 "say which version they were computed on).", self.h_staleness),
-        }
+        })
         return m
 
     def table(self) -> dict:

@@ -31,14 +31,6 @@ SEGMENT_BYTES = 256 << 20
 _HEAD = struct.Struct("<4sII")
 
 
-def _flen(frame) -> int:
-    return frame.buffer.nbytes if hasattr(frame, "buffer") else len(frame)
-
-
-def _fbuf(frame):
-    return frame.buffer if hasattr(frame, "buffer") else frame
-
-
 class UpdateLog:
     def __init__(self, directory: str, fsync: str = "interval", segment_bytes: int = SEGMENT_BYTES):
         if fsync not in FSYNC_POLICIES:
@@ -80,17 +72,17 @@ class UpdateLog:
                 ents.append(e)
             head = msgpack.packb({"p": part["p"], "seq": part["seq"], "epoch": part["epoch"],
                                   "time": now, "e": ents, "t": descs}, use_bin_type=True)
-            body_len = 4 + len(head) + sum(_flen(b) for b in bufs)
+            body_len = 4 + len(head) + sum(wire.frame_len(b) for b in bufs)
             crc = zlib.crc32(head)
             for b in bufs:
-                crc = zlib.crc32(_fbuf(b), crc)
+                crc = zlib.crc32(wire.frame_buffer(b), crc)
             if self._f is None or self._size > self.segment_bytes:
                 self._open()
             self._f.write(_HEAD.pack(MAGIC, body_len, crc))
             self._f.write(struct.pack("<I", len(head)))
             self._f.write(head)
             for b in bufs:
-                self._f.write(_fbuf(b))
+                self._f.write(wire.frame_buffer(b))
             self._size += _HEAD.size + body_len
             self.records += 1
             self.bytes += _HEAD.size + body_len

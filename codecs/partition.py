@@ -46,6 +46,11 @@ class TensorLayout:
         start = i * self.block_elems
         return start, min(self.size, start + self.block_elems)
 
+    def block_bytes(self, i: int) -> int:
+        """Bytes of block ``i`` (parameters are float32 or float64)."""
+        start, stop = self.block_range(i)
+        return (stop - start) * (8 if self.dtype == "float64" else 4)
+
     def block_keys(self) -> list[str]:
         return [block_key(self.name, i) for i in range(self.nblocks)]
 

@@ -810,10 +810,10 @@ class BrokerCore:
             return [(BACK, identity, [wire.error(Code.BAD_FIELD,
                                                  "register: bad shard id or holds")])]
         holds = {p: (epoch, seq) for p, epoch, seq in held}
-        if holds:
-            self.restarted = True   # shards with state: this broker may be missing tensors
+        if holds or h.get("rejoin") is True:
+            self.restarted = True   # shards from an earlier life: this broker may miss tensors
         elif self.restarted is None:
-            self.restarted = False  # the first shard held nothing: a fresh cluster
+            self.restarted = False  # the first shard is new and holds nothing: a fresh cluster
         s = self.shards.get(sid)
         actions = []
         drop = []

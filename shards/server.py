@@ -50,6 +50,7 @@ class ShardServer:
         self.registered = threading.Event()
         self.sock = None
         self._registered_at = float("-inf")
+        self._joined = False      # registered with a broker at least once
         if checkpoint_interval < 0 or checkpoint_keep < 1:
             raise ValueError("checkpoint_interval must be >= 0 and checkpoint_keep >= 1")
         self.on_metrics = on_metrics      # called with a metrics snapshot every interval
@@ -135,7 +136,9 @@ class ShardServer:
 
     def _register(self) -> None:
         self._registered_at = self.clock()
-        self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id,
+        # rejoin: this process was part of a cluster before (even holding nothing now), so a
+        # broker hearing it first knows it restarted, not that the cluster is new
+        self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id, rejoin=self._joined,
                                  **self.core.register_fields()))
 
     def run(self) -> None:
@@ -156,6 +159,7 @@ class ShardServer:
                         kind = head.get("kind")
                         if kind == wire.REGISTERED:
                             self.registered.set()
+                            self._joined = True
                             log.info("%s registered with %s", self.shard_id, self.broker_url)
                             continue
                         if kind == wire.ERROR and head.get("code") == Code.NOT_REGISTERED.value:

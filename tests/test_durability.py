@@ -333,3 +333,19 @@ def test_a_shard_with_no_standby_is_rebuilt_from_checkpoint_plus_the_log(make_cl
         w = c.pull(["w"], min_version=21, timeout=30)["w"]
     assert np.array_equal(w, w0 - 21 * LR)
     assert admin.status(cluster.url)["counters"]["replay_scheduled"] >= 1
+
+
+def test_a_restarted_broker_hearing_first_from_an_empty_rejoining_shard_still_recovers():
+    """The first shard back may hold nothing (fenced and not rebuilt): it says it rejoins, so
+    pushes of keys the broker has not relearned yet get RECOVERING, not UNKNOWN_KEY."""
+    from gradbus.broker.core import BrokerCore
+    rig = RepRig(("s0", "s1"))
+    frames, layout = init_msg(1, "w", np.zeros(4, np.float32))
+    rig.client(b"c", frames)
+    rig.replies(b"c")
+    for fresh, code in ((False, "RECOVERING"), (True, "UNKNOWN_KEY")):
+        rig.broker = BrokerCore(16)
+        rig.deliver(rig.broker.on_backend(b"s9", [wire.pack(wire.REGISTER, shard="s9",
+                                                            rejoin=not fresh)], 0))
+        rig.client(b"c", push_msg(5, layout, np.ones(4, np.float32)))
+        assert rig.replies(b"c")[0]["code"] == code

@@ -19,11 +19,14 @@ import random
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gradbus.codecs import specs, stats, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import (DEFAULT_PARTITIONS, MAX_NAME_LEN, TensorLayout,
-                                      partition_of, split_key)
+                                      partition_of, row_key, row_partitions, split_key,
+                                      split_row_key)
 
 log = logging.getLogger("gradbus.broker")
 
@@ -52,7 +55,7 @@ class ShardInfo:
     bytes: int = 0                        # bytes of parameters placed on it
     info: dict = field(default_factory=dict)
     snapshots: list = field(default_factory=list)  # outstanding (client, req)
-    queued_snapshots: list = field(default_factory=list)  # (client, req, keys, of)
+    queued_snapshots: list = field(default_factory=list)  # (client, req, keys, of, rows)
 
 
 @dataclass
@@ -101,6 +104,19 @@ class Tensor:
         if len(self.versions) < self.layout.nblocks:
             return 0
         return min(self.versions.values())
+
+
+@dataclass
+class Table:
+    """An embedding table: rows spread over every partition (key ``name#p``)."""
+    name: str
+    cfg: dict                                       # specs.table_from_wire
+    versions: dict = field(default_factory=dict)    # p -> row pushes applied there
+    rows: dict = field(default_factory=dict)        # p -> [rows, bytes] the primary reported
+
+    @property
+    def version(self) -> int:
+        return sum(self.versions.values())
 
 
 #: counters exported as ``gradbus_broker_<name>_total``: (name, counters key, help)
@@ -199,6 +215,7 @@ class BrokerCore:
         self.seq = [0] * partitions
         self.published_seq: dict[int, int] = {}   # p -> last seq whose UPDATE went out on events
         self.catalog: dict[str, Tensor] = {}
+        self.tables: dict[str, Table] = {}
         self.shards: dict[str, ShardInfo] = {}
         self.by_identity: dict[bytes, str] = {}
         self.clients: dict[bytes, ClientInfo] = {}
@@ -321,6 +338,8 @@ class BrokerCore:
                 return self._init(client, h, frames[1:])
             if kind == wire.SNAPSHOT:
                 return self._snapshot(client, h, frames[1:])
+            if kind == wire.ROWS:
+                return self._rows(client, h)
             if kind == wire.CATALOG:
                 return self._catalog(client, h)
             return []  # HEARTBEAT: registered above, last_seen updated
@@ -375,6 +394,46 @@ class BrokerCore:
             raise WireError(Code.UNKNOWN_KEY, f"{key} was never initialised")
         return t, idx
 
+    def _table(self, name) -> Table:
+        """An initialised table, or UNKNOWN_KEY (RECOVERING while a restarted broker may
+        still hear of it from its shards)."""
+        tbl = self.tables.get(name) if isinstance(name, str) else None
+        if tbl is None:
+            self._check_recovering(f"table {name!r}", True)
+            raise WireError(Code.UNKNOWN_KEY, f"table {name!r} was never initialised")
+        return tbl
+
+    def _row_ids(self, tbl: Table, parts: list) -> None:
+        """Check that every row id sent for ``tbl`` in a partition lives there (a client that
+        placed rows by another rule would split a row in two). ``parts``: [(p, ids)]."""
+        for p, _ in parts:
+            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.P:
+                raise WireError(Code.BAD_FIELD, f"{tbl.name}: partition {p!r} out of range")
+        ids = np.concatenate([i for _, i in parts]) if len(parts) > 1 else parts[0][1]
+        want = np.repeat([p for p, _ in parts], [len(i) for _, i in parts])
+        bad = np.flatnonzero(row_partitions(tbl.name, ids, self.P) != want)
+        if len(bad):
+            raise WireError(Code.BAD_FIELD, f"{tbl.name}: row id {ids[bad[0]]} sent for "
+                                            f"partition {want[bad[0]]}, which it does not "
+                                            "belong to")
+
+    def _rows_of(self, d) -> tuple[Table, int]:
+        """The table and partition of a pushed rows frame, checked."""
+        name_p = split_row_key(d.key)
+        if name_p is None:
+            raise WireError(Code.BAD_FIELD, f"{d.key!r} carries row ids but is not a row key")
+        tbl = self._table(name_p[0])
+        cfg = tbl.cfg
+        if d.dtype != cfg["dtype"] or d.shape[1] != cfg["dim"]:
+            raise WireError(Code.BAD_SHAPE, f"{d.key}: rows {d.dtype}{list(d.shape)} do not "
+                                            f"match {cfg['dtype']}[n, {cfg['dim']}]")
+        if tcodec.parse_stages(d.codec).sparsifier is not None:
+            raise WireError(Code.BAD_CODEC, f"{d.key}: rows take a dense codec chain, not "
+                                            f"{d.codec!r}")
+        if not 0 <= name_p[1] < self.P:
+            raise WireError(Code.BAD_FIELD, f"{d.key}: partition out of range")
+        return tbl, name_p[1]
+
     def _check_recovering(self, what: str, known_elsewhere: bool) -> None:
         """RECOVERING while the broker is young and the thing asked for may exist on a shard
         that has not registered again yet."""
@@ -403,7 +462,15 @@ class BrokerCore:
         routed = []
         decoded = 0
         tensors: dict[str, Tensor] = {}
+        rows: dict[str, list] = {}
         for d, fr in zip(descs, frames):
+            if d.ids is not None:             # a table's rows for one partition
+                tbl, p = self._rows_of(d)
+                self._live_owner(d.key, p)
+                routed.append((p, d, fr, tbl.name))
+                rows.setdefault(tbl.name, []).append((p, d.row_ids()))
+                decoded += d.shape[0] * d.shape[1] * (8 if d.dtype == "float64" else 4)
+                continue
             t, idx = self._block(d.key)
             start, stop = t.layout.block_range(idx)
             if d.shape != (stop - start,) or d.dtype != t.layout.dtype:
@@ -411,11 +478,13 @@ class BrokerCore:
                                                 f"not match {t.layout.dtype}[{stop - start}]")
             p = partition_of(d.key, self.P)
             self._live_owner(d.key, p)
-            routed.append((p, d, fr, t))
+            routed.append((p, d, fr, t.layout.name))
             tensors[t.layout.name] = t
             decoded += t.layout.block_bytes(idx)
         if not routed:
             raise WireError(Code.BAD_REQUEST, "push carries no tensors")
+        for name, parts in rows.items():      # one vectorized check per table
+            self._row_ids(self.tables[name], parts)
         acks = h["acks"]
         if acks not in (0, 1, ALL):
             raise WireError(Code.BAD_FIELD, f"acks must be 0, 1 or {ALL} (all), not {acks}")
@@ -495,9 +564,11 @@ class BrokerCore:
         ref = (client.identity, msg)
         self.pending[ref] = Pending(client.identity, msg, "push", len(routed),
                                     acks=ALL if h["acks"] == ALL else 1, t0=self.now)
-        for (p, d, fr, t), raw in zip(routed, h["t"]):
+        for (p, d, fr, name), raw in zip(routed, h["t"]):
             entry = {"op": "push", "c": client.identity, "m": msg}
-            w = weights.get(t.layout.name)
+            if d.ids is not None:     # rows: the time that row expiry counts from, the same
+                entry["ts"] = round(self.wall(), 3)          # on every replica
+            w = weights.get(name)
             if w is not None:
                 entry["w"] = w
             self._enqueue(p, entry, raw, fr, ref)
@@ -518,7 +589,9 @@ class BrokerCore:
         if replay is not None:
             return replay
         opt = h["opt"]
-        specs.optimizer_from_wire(opt)
+        if specs.optimizer_from_wire(opt).name == "ftrl" and h["tensors"]:
+            raise WireError(Code.BAD_FIELD, "ftrl optimizes embedding table rows only "
+                                            "(init_table)")
         try:
             cons = specs.consistency_from_wire(h.get("cons"))
         except ValueError as e:
@@ -529,6 +602,8 @@ class BrokerCore:
         for t in h["tensors"]:
             layout, rule = self._check_tensor(t)
             cur = self.catalog.get(layout.name)
+            if layout.name in self.tables:
+                raise WireError(Code.SHAPE_MISMATCH, f"{layout.name} exists as a table")
             if cur is None:
                 self._check_recovering(f"init of {layout.name}", False)
             if cur is not None:
@@ -556,10 +631,11 @@ class BrokerCore:
                                                         f"{layout.dtype}[{stop - start}]")
                 plan.append((layout, rule, key, g))
             created.append(layout.name)
-        if plan and not any(s.alive for s in self.shards.values()):
+        new_tables = self._plan_tables(h.get("tables"), created, existing)
+        if (plan or new_tables) and not any(s.alive for s in self.shards.values()):
             raise WireError(Code.NO_SHARDS, "no live shard to place parameters on")
         ref = (client.identity, msg)
-        if not plan:
+        if not plan and not new_tables:
             reply = [wire.pack(wire.INIT_OK, msg=msg, created=[], existing=existing)]
             self._remember(client, msg, reply)
             return [(FRONT, client.identity, reply)]
@@ -575,11 +651,55 @@ class BrokerCore:
             self._enqueue(p, entry, g[1] if g else None, g[2] if g else None, ref)
         for name, layout in layouts.items():
             self.catalog[name] = Tensor(layout, opt, cons=cons)
-        self.pending[ref] = Pending(client.identity, msg, "init", len(plan),
+        for name, cfg in new_tables:        # every partition gets the table's (empty) rows
+            for p in range(self.P):
+                self._place(p)
+                self._enqueue(p, {"op": "init", "key": row_key(name, p), "table": cfg},
+                              None, None, ref)
+            self.tables[name] = Table(name, cfg)
+        self.pending[ref] = Pending(client.identity, msg, "init",
+                                    len(plan) + self.P * len(new_tables),
                                     reply={"created": created, "existing": existing})
         self._remember(client, msg, "pending")
         actions = [(PUB, self._table_msg())]
         return actions
+
+    def _plan_tables(self, tables, created: list, existing: list) -> list:
+        """The tables of an INIT that are new: ``[(name, settings)]``; existing ones (same
+        dim and dtype) go to ``existing``."""
+        if tables is None:
+            return []
+        if not isinstance(tables, list):
+            raise WireError(Code.BAD_FIELD, "init: tables must be a list")
+        new = []
+        for t in tables:
+            if not isinstance(t, dict):
+                raise WireError(Code.BAD_FIELD, "init tables must be maps")
+            name = t.get("name")
+            if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or any(
+                    c in name for c in "\x00#"):
+                raise WireError(Code.BAD_FIELD, f"table name must be a non-empty string "
+                                                f"without '#', got {name!r}")
+            cfg = specs.table_from_wire(t)
+            cur = self.tables.get(name)
+            if name in self.catalog or name in created:
+                raise WireError(Code.SHAPE_MISMATCH, f"{name} exists as a dense tensor or is "
+                                                     "named twice")
+            if cur is not None:
+                if (cur.cfg["dim"], cur.cfg["dtype"]) != (cfg["dim"], cfg["dtype"]):
+                    raise WireError(Code.SHAPE_MISMATCH,
+                                    f"table {name} exists with rows of {cur.cfg['dtype']}"
+                                    f"[{cur.cfg['dim']}], init asks {cfg['dtype']}[{cfg['dim']}]")
+                existing.append(name)
+                continue
+            self._check_recovering(f"init of table {name}", False)
+            down = [p for p in range(self.P) if not self._available(p)]
+            if down:
+                raise WireError(Code.SHARD_UNAVAILABLE, f"table {name}: partitions {down[:8]} "
+                                                        "have no live shard")
+            new.append((name, cfg))
+            created.append(name)
+        return new
 
     def _check_tensor(self, t) -> tuple[TensorLayout, dict]:
         if not isinstance(t, dict):
@@ -618,7 +738,30 @@ class BrokerCore:
             return [(FRONT, client.identity, [wire.pack(wire.SNAPSHOT_REPLY, req=req, parts=[],
                                                         of=1, missing=[])])]
         for sid, keys in by_shard.items():
-            self.shards[sid].queued_snapshots.append((client.identity, req, keys, len(by_shard)))
+            self.shards[sid].queued_snapshots.append((client.identity, req, keys, len(by_shard),
+                                                      None))
+        return []
+
+    def _rows(self, client: ClientInfo, h: dict) -> list:
+        """A read of table rows: ``q`` = [[p, ids], ...]; forwarded to each partition's
+        primary behind any push still queued for it (a client reads its own writes)."""
+        req, tbl = h["req"], self._table(h["table"])
+        by_shard: dict[str, list] = defaultdict(list)
+        for q in h["q"]:
+            if (not isinstance(q, list) or len(q) != 2 or not isinstance(q[1], bytes)
+                    or len(q[1]) % 8):
+                raise WireError(Code.BAD_FIELD, "rows: q must be [[partition, int64 ids], ...]")
+        if h["q"]:
+            self._row_ids(tbl, [(p, np.frombuffer(ids, dtype="<i8")) for p, ids in h["q"]])
+        for q in h["q"]:
+            key = row_key(tbl.name, q[0])
+            by_shard[self._live_owner(key, q[0])].append(q)
+        if not by_shard:
+            return [(FRONT, client.identity, [wire.pack(wire.ROWS_REPLY, req=req, of=1)])]
+        for sid, qs in by_shard.items():
+            self.shards[sid].queued_snapshots.append(
+                (client.identity, req, [row_key(tbl.name, p) for p, _ in qs], len(by_shard),
+                 {"table": tbl.name, "q": qs}))
         return []
 
     def _catalog(self, client: ClientInfo, h: dict) -> list:
@@ -629,8 +772,10 @@ class BrokerCore:
                                                   if isinstance(n, str) and n in self.catalog}
         tensors = [{**t.layout.to_wire(), "version": t.version, "cons": t.cons}
                    for t in sel.values()]
+        tables = [{"name": t.name, **t.cfg, "version": t.version} for n, t in self.tables.items()
+                  if names is None or n in names]
         return [(FRONT, client.identity, [wire.pack(wire.CATALOG_REPLY, req=h["req"],
-                                                    tensors=tensors)])]
+                                                    tensors=tensors, tables=tables)])]
 
     # ------------------------------------------------------------------ batching
     def _group(self, p: int) -> tuple:
@@ -714,13 +859,15 @@ class BrokerCore:
                 continue
             keep = []
             for item in s.queued_snapshots:
-                client, req, keys, of = item
+                client, req, keys, of, rows = item
                 if self._snapshot_blocked(keys):
                     keep.append(item)   # an init/push for these partitions is still queued
                     continue
                 s.snapshots.append((client, req))
-                actions.append((BACK, s.identity, [wire.pack(wire.SNAPSHOT, req=req, client=client,
-                                                             of=of, keys=keys)]))
+                msg = (wire.pack(wire.SNAPSHOT, req=req, client=client, of=of, keys=keys)
+                       if rows is None else wire.pack(wire.ROWS, req=req, client=client, of=of,
+                                                      **rows))
+                actions.append((BACK, s.identity, [msg]))
             s.queued_snapshots = keep
         return actions
 
@@ -776,7 +923,7 @@ class BrokerCore:
                 self.errors["bad_applied"] += 1
                 log.error("malformed APPLIED from %s: %r", s.id, e)
                 return []
-        if kind == wire.SNAPSHOT_REPLY:
+        if kind in (wire.SNAPSHOT_REPLY, wire.ROWS_REPLY):
             client = h.get("client")
             if isinstance(client, bytes):
                 try:
@@ -943,6 +1090,10 @@ class BrokerCore:
         the tensor is new to it."""
         if e.get("op") != "init":
             return None
+        if "table" in e:           # a table's rows start empty: no bytes to account
+            name = split_row_key(e["key"])[0]
+            self.tables.setdefault(name, Table(name, e["table"]))
+            return None
         layout = TensorLayout.from_wire(e["layout"])
         if layout.name not in self.catalog:
             self.catalog[layout.name] = Tensor(layout, e["opt"])
@@ -964,7 +1115,10 @@ class BrokerCore:
             return held
         for t in tensors:
             try:
-                if t["name"] in self.catalog:
+                if t["name"] in self.catalog or t["name"] in self.tables:
+                    continue
+                if "table" in t:
+                    self.tables[t["name"]] = Table(t["name"], specs.table_from_wire(t["table"]))
                     continue
                 layout, _ = self._check_tensor({**t, "init": {"name": "zeros"}})
                 specs.optimizer_from_wire(t["opt"])
@@ -974,6 +1128,11 @@ class BrokerCore:
                 log.warning("register: bad tensor %r: %s", t, e)
         for b in blocks:
             if isinstance(b, list) and len(b) == 2 and isinstance(b[1], int):
+                name_p = split_row_key(b[0]) if isinstance(b[0], str) else None
+                if name_p is not None:
+                    if name_p[0] in self.tables:
+                        self.tables[name_p[0]].versions.setdefault(name_p[1], b[1])
+                    continue
                 try:
                     t, idx = self._block(b[0])
                 except (WireError, TypeError):
@@ -1051,7 +1210,13 @@ class BrokerCore:
                 # named in heartbeats, so subscribers see they missed it and re-snapshot.
                 if seq > self.published_seq.get(p, 0):
                     self.published_seq[p] = seq
+                self._learn_rows(p, part.get("tr"))
                 for key, ver in part.get("vers", {}).items():
+                    name_p = split_row_key(key)
+                    if name_p is not None:
+                        if name_p[0] in self.tables:
+                            self.tables[name_p[0]].versions[p] = ver
+                        continue
                     try:
                         name, idx = split_key(key)
                     except ValueError:
@@ -1067,6 +1232,21 @@ class BrokerCore:
             b.waiting.discard(s.id)
             actions += self._progress(p, seq, b)
         return self._coalesce(actions)
+
+    def _learn_rows(self, p: int, tr) -> None:
+        """The rows and bytes a primary reports holding in p's tables after a batch: the
+        bytes count towards p's size (what rebalancing weighs)."""
+        if not isinstance(tr, dict):
+            return
+        for name, rb in tr.items():
+            tbl = self.tables.get(name)
+            if tbl is None or not (isinstance(rb, list) and len(rb) == 2
+                                   and all(isinstance(x, int) for x in rb)):
+                continue
+            old = tbl.rows.get(p, [0, 0])[1]
+            tbl.rows[p] = rb
+            if rb[1] != old:
+                self._account(p, rb[1] - old)
 
     def _progress(self, p: int, seq: int, b: Batch) -> list:
         """Settle what a batch's replies allow: acks=1 entries once the (current) primary
@@ -1367,7 +1547,7 @@ class BrokerCore:
             if s.id in b.waiting:
                 b.waiting.discard(s.id)
                 actions += self._progress(p, seq, b)
-        for client, req in s.snapshots + [(c, r) for c, r, _, _ in s.queued_snapshots]:
+        for client, req in s.snapshots + [(c, r) for c, r, *_ in s.queued_snapshots]:
             actions.append(self._err(client, Code.SHARD_UNAVAILABLE, err[1], req=req))
         s.snapshots, s.queued_snapshots, s.inflight = [], [], 0
         s.bytes = sum(self.pbytes[p] for p in s.partitions)   # what it still owns alone
@@ -1477,6 +1657,12 @@ class BrokerCore:
         tensors = [{"name": n, "dtype": t.layout.dtype, "shape": list(t.layout.shape),
                     "blocks": t.layout.nblocks, "version": t.version,
                     "optimizer": t.opt.get("name")} for n, t in sorted(self.catalog.items())]
+        tables = [{"name": n, "dim": t.cfg["dim"], "dtype": t.cfg["dtype"],
+                   "optimizer": t.cfg["opt"]["name"], "version": t.version,
+                   "rows": sum(r[0] for r in t.rows.values()),
+                   "bytes": sum(r[1] for r in t.rows.values()),
+                   "expiry_s": t.cfg["expiry"], "min_count": t.cfg["min_count"]}
+                  for n, t in sorted(self.tables.items())]
         down = self._down()
         urls = {s.id: s.info["metrics_url"] for s in self.shards.values()
                 if s.alive and s.info.get("metrics_url")}
@@ -1493,7 +1679,7 @@ class BrokerCore:
                 "moves": self.move_log[-20:],
                 "moves_in_progress": [{"p": p, **mv} for p, mv in sorted(self.moves.items())],
                 "draining": sorted(self.draining),
-                "shards": shards, "workers": workers, "tensors": tensors,
+                "shards": shards, "workers": workers, "tensors": tensors, "tables": tables,
                 "pending_bytes": self.pending_bytes, "counters": dict(self.counters),
                 "staleness": {"count": self.h_staleness.count,
                               "p50": self.h_staleness.quantile(0.5),

@@ -11,14 +11,58 @@ import math
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
+
 DEFAULT_PARTITIONS = 256
 DEFAULT_BLOCK_BYTES = 1 << 20  # 1 MiB per block by default
 MAX_NAME_LEN = 256
 
 
 def partition_of(key: str, partitions: int) -> int:
-    """Stable partition of a block key."""
+    """Stable partition of a key: CRC-32 of a dense block key (``"name/i"``), or the partition a
+    table's row key names (``"name#p"``, see :func:`row_key`)."""
+    head, sep, tail = key.rpartition("#")
+    if sep and head and tail.isdigit():
+        return int(tail)
     return zlib.crc32(key.encode("utf-8")) % partitions
+
+
+# -- sparse tables ---------------------------------------------------------------------------
+# A table's rows are placed by row id: partition = mix64(id XOR seed(name)) mod P, with mix64 the
+# splitmix64 finalizer and seed(name) = CRC-32 of the name times the 64-bit golden ratio. The
+# rows of table ``name`` in partition ``p`` travel and are stored under the key ``"name#p"``.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer on a uint64 array (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        x = x ^ (x >> np.uint64(30))
+        x = x * _M1
+        x = x ^ (x >> np.uint64(27))
+        x = x * _M2
+        return x ^ (x >> np.uint64(31))
+
+
+def row_partitions(name: str, ids: np.ndarray, partitions: int) -> np.ndarray:
+    """The partition of each row id (int64 array) of table ``name``."""
+    with np.errstate(over="ignore"):
+        seed = np.uint64(zlib.crc32(name.encode("utf-8"))) * _GOLDEN
+    h = mix64(np.asarray(ids, dtype=np.int64).view(np.uint64) ^ seed)
+    return (h % np.uint64(partitions)).astype(np.int64)
+
+
+def row_key(name: str, p: int) -> str:
+    return f"{name}#{p}"
+
+
+def split_row_key(key: str) -> tuple[str, int] | None:
+    """``"emb#5"`` -> ``("emb", 5)``; None for a key that is not a row key."""
+    head, sep, tail = key.rpartition("#")
+    if sep and head and tail.isdigit():
+        return head, int(tail)
+    return None
 
 
 def block_key(name: str, index: int) -> str:

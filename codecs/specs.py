@@ -58,7 +58,23 @@ class Adagrad:
         return asdict(self)
 
 
-Optimizer = SGD | Adam | Adagrad
+@dataclass(frozen=True)
+class FTRL:
+    """FTRL-Proximal (McMahan et al., 2013), per coordinate, for embedding table rows:
+    ``sigma = (sqrt(n + g*g) - sqrt(n)) / lr; z += g - sigma*w; n += g*g;
+    w = 0 if |z| <= l1 else -(z - sign(z)*l1) / ((beta + sqrt(n))/lr + l2)``."""
+
+    lr: float = 0.05
+    beta: float = 1.0
+    l1: float = 0.0
+    l2: float = 0.0
+    name: str = field(default="ftrl", init=False)
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
+Optimizer = SGD | Adam | Adagrad | FTRL
 
 
 def optimizer_from_wire(d) -> Optimizer:
@@ -83,14 +99,19 @@ def optimizer_from_wire(d) -> Optimizer:
     if name == "adagrad":
         return Adagrad(_num(d, "lr", 0, lo_open=True),
                        _num(d, "eps", 0, lo_open=True) if "eps" in d else 1e-10)
+    if name == "ftrl":
+        return FTRL(_num(d, "lr", 0, lo_open=True),
+                    *(_num(d, k, 0) if k in d else dflt
+                      for k, dflt in (("beta", 1.0), ("l1", 0.0), ("l2", 0.0))))
     raise WireError(Code.BAD_FIELD, f"unknown optimizer {name!r}")
 
 
 @dataclass(frozen=True)
 class Initializer:
-    """Base: a shape, a dtype and a rule the shard applies block by block."""
+    """Base: a shape, a dtype and a rule the shard applies block by block. A table's rows
+    take the rule alone (``init_table(..., gradbus.Normal(std=0.01))``): no shape needed."""
 
-    shape: tuple[int, ...]
+    shape: tuple[int, ...] = ()
     dtype: str = "float32"
 
     def params(self) -> dict:
@@ -164,6 +185,38 @@ def _int_seed(d: dict) -> None:
     s = d.get("seed", 0)
     if isinstance(s, bool) or not isinstance(s, int) or s < 0 or s >= 2**63:
         raise WireError(Code.BAD_FIELD, "seed must be a non-negative int64")
+
+
+TABLE_OPTIMIZERS = ("sgd", "adagrad", "ftrl")
+MAX_TABLE_DIM = 1 << 16
+
+
+def table_from_wire(d) -> dict:
+    """Check a table's settings from the wire; returns the normalized map
+    ``{"dim", "dtype", "init", "opt", "expiry", "min_count"}``."""
+    if not isinstance(d, dict):
+        raise WireError(Code.BAD_FIELD, "table settings must be a map")
+    dim, dtype = d.get("dim"), d.get("dtype", "float32")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 1 <= dim <= MAX_TABLE_DIM:
+        raise WireError(Code.BAD_FIELD, f"table dim must be an int in 1..{MAX_TABLE_DIM}, "
+                                        f"got {dim!r}")
+    if dtype not in ("float32", "float64"):
+        raise WireError(Code.BAD_DTYPE, f"table rows must be float32 or float64, not {dtype!r}")
+    init = validate_init_rule(d.get("init", {"name": "zeros"}))
+    if init["name"] == "given":
+        raise WireError(Code.BAD_FIELD, "a table's rows are created on first touch: its "
+                                        "initializer must be zeros, constant, normal or uniform")
+    opt = d.get("opt")
+    spec = optimizer_from_wire(opt)
+    if spec.name not in TABLE_OPTIMIZERS or getattr(spec, "momentum", 0.0):
+        raise WireError(Code.BAD_FIELD, f"table rows take sgd (no momentum), adagrad or ftrl, "
+                                        f"not {spec}")
+    expiry = _num(d, "expiry", 0) if "expiry" in d else 0.0
+    mc = d.get("min_count", 1)
+    if isinstance(mc, bool) or not isinstance(mc, int) or not 1 <= mc < 2**31:
+        raise WireError(Code.BAD_FIELD, f"min_count must be a positive int, got {mc!r}")
+    return {"dim": dim, "dtype": dtype, "init": dict(init), "opt": spec.to_wire(),
+            "expiry": expiry, "min_count": mc}
 
 
 CONSISTENCY_POLICIES = ("refuse", "delay")

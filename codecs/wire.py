@@ -12,7 +12,9 @@ A message is a list of ZeroMQ frames::
       {"k": key, "d": dtype, "s": [shape], "c": codec chain, "n": encoded bytes,
        "x": xxh3-64 checksum of the encoded bytes, "ver": version (optional),
        "base": for delta weights, the publish seq the frame is a change on (optional),
-       "cnt": for gradients, how many gradients the frame sums (optional, default 1)}
+       "cnt": for gradients, how many gradients the frame sums (optional, default 1),
+       "ids": for a table's rows, the row ids as little-endian int64 bytes; the frame then
+              holds the rows, shape [len(ids), dim] (optional)}
 
 Tensors never travel pickled. A receiver validates, before using anything: the frame count against
 ``len(t)``, the protocol version, the kind against its allow-list, the required header fields and
@@ -60,6 +62,7 @@ ADOPT, STATE_REQ, STATE, SYNCED = "adopt", "state_req", "state", "synced"
 DROP, DIGEST, DIGEST_REPLY = "drop", "digest", "digest_reply"
 CHECKPOINT, CHECKPOINT_REPLY = "checkpoint", "checkpoint_reply"
 ADMIN, ADMIN_REPLY, STOP = "admin", "admin_reply", "stop"   # rebalance, drain; a drained shard
+ROWS, ROWS_REPLY = "rows", "rows_reply"                      # reads of embedding table rows
 
 ACKS_ALL = -1                     # the wire value of acks="all"
 
@@ -102,20 +105,22 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     CHECKPOINT: {"req": (_INT, True)},
     ADMIN: {"req": (_INT, True), "op": (_STR, True)},
     ADMIN_REPLY: {"req": (_INT, True), "result": (_MAP, True)},
+    ROWS: {"req": (_INT, True), "table": (_STR, True), "q": (_LIST, True)},
+    ROWS_REPLY: {"req": (_INT, True)},
     STOP: {},
     CHECKPOINT_REPLY: {"req": (_INT, True), "shard": (_STR, True)},
     TABLE: {"version": (_INT, True), "owners": (_LIST, True)},
 }
 
-FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, CATALOG, STATUS, DIGEST, CHECKPOINT,
-                            ADMIN, HEARTBEAT, BYE})
-BACKEND_KINDS = frozenset({REGISTER, HEARTBEAT, APPLIED, SNAPSHOT_REPLY, STATE, SYNCED,
-                           DIGEST_REPLY, CHECKPOINT_REPLY, ERROR, BYE})
-SHARD_KINDS = frozenset({REGISTERED, HEARTBEAT, BATCH, SNAPSHOT, ADOPT, STATE_REQ, STATE, DROP,
-                         DIGEST, CHECKPOINT, STOP, ERROR})
-CLIENT_KINDS = frozenset({WELCOME, INIT_OK, ACK, SNAPSHOT_REPLY, CATALOG_REPLY, STATUS_REPLY,
-                          DIGEST_REPLY, CHECKPOINT_REPLY, ADMIN_REPLY, ERROR, UPDATE, TABLE,
-                          HEARTBEAT})
+FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, ROWS, CATALOG, STATUS, DIGEST,
+                            CHECKPOINT, ADMIN, HEARTBEAT, BYE})
+BACKEND_KINDS = frozenset({REGISTER, HEARTBEAT, APPLIED, SNAPSHOT_REPLY, ROWS_REPLY, STATE,
+                           SYNCED, DIGEST_REPLY, CHECKPOINT_REPLY, ERROR, BYE})
+SHARD_KINDS = frozenset({REGISTERED, HEARTBEAT, BATCH, SNAPSHOT, ROWS, ADOPT, STATE_REQ, STATE,
+                         DROP, DIGEST, CHECKPOINT, STOP, ERROR})
+CLIENT_KINDS = frozenset({WELCOME, INIT_OK, ACK, SNAPSHOT_REPLY, ROWS_REPLY, CATALOG_REPLY,
+                          STATUS_REPLY, DIGEST_REPLY, CHECKPOINT_REPLY, ADMIN_REPLY, ERROR,
+                          UPDATE, TABLE, HEARTBEAT})
 
 
 def frame_buffer(frame):
@@ -144,6 +149,7 @@ class TensorDesc:
     version: int | None = None
     base: int | None = None    # weights only: the frame is a delta on the block published at seq
     count: int = 1             # gradients only: how many gradients this one sums (local steps)
+    ids: bytes | None = None   # table rows only: the row ids (little-endian int64)
 
     def to_wire(self) -> dict:
         d = {"k": self.key, "d": self.dtype, "s": list(self.shape), "c": self.codec,
@@ -154,7 +160,13 @@ class TensorDesc:
             d["base"] = self.base
         if self.count != 1:
             d["cnt"] = self.count
+        if self.ids is not None:
+            d["ids"] = self.ids
         return d
+
+    def row_ids(self) -> np.ndarray:
+        """The row ids of a table rows frame (a read-only int64 view)."""
+        return np.frombuffer(self.ids, dtype="<i8")
 
 
 def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | None = None,
@@ -243,7 +255,14 @@ def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
             _bad(Code.BAD_FIELD, f"{key}: {name} must be a non-negative int")
     if not isinstance(cnt, int) or isinstance(cnt, bool) or not 1 <= cnt <= 1 << 30:
         _bad(Code.BAD_FIELD, f"{key}: cnt must be a positive int")
-    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver, base, cnt)
+    ids = d.get("ids")
+    if ids is not None:
+        if not isinstance(ids, bytes) or len(ids) % 8:
+            _bad(Code.BAD_FIELD, f"{key}: ids must be int64 bytes")
+        if len(shape) != 2 or shape[0] != len(ids) // 8:
+            _bad(Code.BAD_SHAPE, f"{key}: {len(ids) // 8} row ids need rows of shape "
+                                 f"[{len(ids) // 8}, dim], not {shape}")
+    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver, base, cnt, ids)
 
 
 def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:

@@ -13,11 +13,11 @@ from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError,  #
                                    ClosedError, GradbusError, SecurityError,
                                    ShardUnavailableError, StaleError, UnknownKeyError)
 from gradbus.codecs.security import Curve  # noqa: E402
-from gradbus.codecs.specs import (SGD, Adagrad, Adam, Constant, Normal, Uniform,  # noqa: E402
-                                  Zeros)
+from gradbus.codecs.specs import (FTRL, SGD, Adagrad, Adam, Constant, Normal,  # noqa: E402
+                                  Uniform, Zeros)
 from gradbus.workers.client import Client, connect  # noqa: E402
 
-__all__ = ["connect", "Client", "SGD", "Adam", "Adagrad", "Zeros", "Constant", "Normal",
+__all__ = ["connect", "Client", "SGD", "Adam", "Adagrad", "FTRL", "Zeros", "Constant", "Normal",
            "Uniform", "GradbusError", "ShardUnavailableError", "UnknownKeyError",
            "BackPressureError", "BrokerUnavailableError", "ClosedError", "SecurityError",
            "StaleError",

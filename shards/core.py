@@ -20,9 +20,10 @@ import time
 
 from gradbus.codecs import net, stats, wire
 from gradbus.codecs.errors import Code, WireError
-from gradbus.codecs.partition import TensorLayout
+from gradbus.codecs.partition import TensorLayout, row_key, split_row_key
 
 from . import backend as backend_mod
+from .rows import RowBatch, RowTable
 from .store import ParameterStore
 
 log = logging.getLogger("gradbus.shard")
@@ -70,6 +71,8 @@ class ShardCore:
             return [self._batch(h, descs, frames[1:])]
         if kind == wire.SNAPSHOT:
             return [self._snapshot(h)]
+        if kind == wire.ROWS:
+            return [self._rows(h)]
         if kind == wire.ADOPT:
             self.installing[int(h["p"])] = []
             return []
@@ -105,20 +108,32 @@ class ShardCore:
 
     def _batch(self, h: dict, descs, frames) -> list:
         t0 = time.perf_counter()
-        out_parts, tail = [], []
+        out_parts, tail, done = [], [], []
+        rows = RowBatch()     # every partition's table rows, updated together
         for part in h["parts"]:
             held = self.installing.get(int(part["p"]))
             if held is not None:   # catching up: apply after the state arrives
                 held.append((part, descs, frames))
                 continue
-            res, pub = self._apply_part(part, descs, frames)
+            done.append(self._apply_part(part, descs, frames, rows))
+        rows.apply()
+        for args in done:
+            res, pub = self._result(*args)
             out_parts.append(res)
             tail.extend(pub)
         self.stats["batches"] += 1
         self.h_apply.observe(time.perf_counter() - t0)
         return [wire.pack(wire.APPLIED, parts=out_parts, shard=self.shard_id), *tail]
 
-    def _apply_part(self, part, descs, frames):
+    def _apply_now(self, part, descs, frames):
+        rows = RowBatch()
+        args = self._apply_part(part, descs, frames, rows)
+        rows.apply()
+        return self._result(*args)
+
+    def _apply_part(self, part, descs, frames, rows: RowBatch) -> tuple:
+        """Apply one partition's part of a batch (table rows go to ``rows``, applied by the
+        caller); returns the arguments of its :meth:`_result`."""
         p, seq, epoch = int(part["p"]), int(part["seq"]), int(part["epoch"])
         publish = part.get("o", self.shard_id) == self.shard_id
         pst = self.store.partition(p)
@@ -126,13 +141,18 @@ class ShardCore:
         changed: dict[str, object] = {}
         if seq <= pst.seq and epoch <= pst.epoch:
             # Re-delivery of a batch already applied: apply nothing, report success again.
-            return self._result(p, seq, epoch, errors, {}, duplicate=True, publish=publish)
+            return p, seq, epoch, errors, {}, True, publish
         pst.seq, pst.epoch = seq, max(epoch, pst.epoch)
         sums: dict[str, list] = {}
+        rsums: dict[str, list] = {}
         for idx, ent in enumerate(part["e"]):
             try:
                 op = ent.get("op")
-                if op == "push":
+                if op == "push" and descs[ent["i"]].ids is not None:
+                    self._row_grad(descs[ent["i"]], frames[ent["i"]], ent, pst, rsums)
+                elif op == "init" and "table" in ent:
+                    self.store.create_table(ent["key"], p, ent["table"])
+                elif op == "push":
                     i = ent["i"]
                     desc = descs[i]
                     blk = self.store.blocks.get(desc.key)
@@ -192,14 +212,42 @@ class ShardCore:
                           self._scratch_for(blk.value.size, blk.value.dtype))
             blk.version += k
             changed[key] = blk
-        applied = sum(len(g) for g in sums.values())
+        touched = {}
+        for key, grads in rsums.items():
+            tbl = touched[key] = self.store.tables[key]
+            for ids, vals, ts in grads:
+                rows.add(tbl, ids, vals, ts)
+            tbl.version += len(grads)
+        applied = sum(len(g) for g in sums.values()) + sum(len(g) for g in rsums.values())
         self.stats["pushes_applied"] += applied
         self.stats["pushes_refused"] += sum(1 for e in errors)
-        return self._result(p, seq, epoch, errors, changed, publish=publish)
+        return p, seq, epoch, errors, changed, False, publish, touched
 
-    def _result(self, p, seq, epoch, errors, changed, duplicate=False, publish=True):
+    def _row_grad(self, desc, frame, ent: dict, pst, rsums: dict) -> None:
+        """Check and decode one pushed rows frame; kept for the batch's sum per row."""
+        tbl = self.store.tables.get(desc.key)
+        if tbl is None:
+            raise WireError(Code.UNKNOWN_KEY, f"{desc.key} is not held here")
+        if desc.shape[1] != tbl.dim or np.dtype(desc.dtype) != tbl.dtype:
+            raise WireError(Code.BAD_SHAPE, f"{desc.key}: rows {desc.dtype}{list(desc.shape)} "
+                                            f"do not match {tbl.dtype}[n, {tbl.dim}]")
+        vals = wire.decode_tensor(desc, frame, self.max_tensor_bytes).reshape(desc.shape)
+        if self.nan_policy == "refuse" and not np.isfinite(vals).all():
+            raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
+        if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
+            self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
+            return
+        ts = ent.get("ts", 0.0)
+        rsums.setdefault(desc.key, []).append(
+            (desc.row_ids(), vals, float(ts) if isinstance(ts, (int, float)) else 0.0))
+
+    def _result(self, p, seq, epoch, errors, changed, duplicate=False, publish=True, rows=None):
         vers = {blk.key: blk.version for blk in changed.values()}
         res = {"p": p, "seq": seq, "epoch": epoch, "errors": errors, "vers": vers}
+        if rows:    # a table's rows are read on request (ROWS), never published
+            vers.update({key: tbl.version for key, tbl in rows.items()})
+            res["tr"] = {split_row_key(key)[0]: [tbl.rows, tbl.nbytes]
+                         for key, tbl in rows.items()}
         if duplicate:
             res["dup"] = True
         if not publish:   # a standby applies, the primary publishes
@@ -263,6 +311,27 @@ class ShardCore:
         return [wire.pack(wire.SNAPSHOT_REPLY, descs, parts=sorted(parts.items()), missing=missing,
                           **fields), *bufs]
 
+    def _rows(self, h: dict) -> list:
+        """Rows of a table, by partition: stored values, or for rows not created yet (never
+        pushed, or filtered) their initial values. Never creates a row."""
+        self.stats["row_reads"] = self.stats.get("row_reads", 0) + 1
+        descs, bufs, missing = [], [], []
+        for q in h["q"]:
+            if not (isinstance(q, list) and len(q) == 2 and isinstance(q[0], int)
+                    and isinstance(q[1], bytes) and len(q[1]) % 8 == 0):
+                continue
+            key = row_key(h["table"], q[0])
+            tbl = self.store.tables.get(key)
+            if tbl is None:
+                missing.append(q[0])
+                continue
+            d, buf = wire.encode_tensor(key, tbl.lookup(np.frombuffer(q[1], dtype="<i8")),
+                                        "raw", tbl.version)
+            descs.append(d)
+            bufs.append(buf)
+        fields = {k: h[k] for k in ("req", "client", "of") if k in h}
+        return [wire.pack(wire.ROWS_REPLY, descs, missing=missing, **fields), *bufs]
+
     # -- replication: a standby's catch-up ----------------------------------------------------
     def _export(self, p: int, to: str) -> list:
         """The whole state of partition ``p`` (values, optimizer state, versions, seq) for the
@@ -277,6 +346,14 @@ class ShardCore:
                           "version": blk.version, "arrays": arrays, "scalars": scalars})
             for name, arr in [("", blk.value)] + [(a, blk.state[a]) for a in arrays]:
                 d, buf = wire.encode_tensor(key, self._host_copy(arr), "raw")
+                descs.append(d)
+                bufs.append(buf)
+        for key in sorted(pst.tables):
+            scalars, arrays = self.store.tables[key].export()
+            metas.append({"key": key, "table": self.store.tables[key].cfg, "scalars": scalars,
+                          "arrays": [name for name, _ in arrays]})
+            for _, arr in arrays:
+                d, buf = wire.encode_tensor(key, np.ascontiguousarray(arr), "raw")
                 descs.append(d)
                 bufs.append(buf)
         self.stats["states_sent"] += 1
@@ -294,7 +371,7 @@ class ShardCore:
         seq = self.install_state(h, descs, frames)
         for part, bdescs, bframes in held:
             if int(part["seq"]) > seq:
-                self._apply_part(part, bdescs, bframes)
+                self._apply_now(part, bdescs, bframes)
         self.stats["syncs"] += 1
         return [[wire.pack(wire.SYNCED, p=p, seq=self.store.partition(p).seq)]]
 
@@ -307,6 +384,16 @@ class ShardCore:
         pst = self.store.partition(p)
         pos = 0
         for meta in h["blocks"]:
+            if "table" in meta:
+                n = len(meta["arrays"])
+                arrs = {name: np.array(wire.decode_tensor(d, f, self.max_tensor_bytes))
+                        for name, d, f in zip(meta["arrays"], descs[pos:pos + n],
+                                              frames[pos:pos + n])}
+                pos += n
+                pool = self.store.pool(meta["key"], meta["table"])
+                self.store.install_table(meta["key"], p, RowTable.install(
+                    meta["table"], meta["scalars"], arrs, pool))
+                continue
             layout = TensorLayout.from_wire(meta["layout"])
             n = 1 + len(meta["arrays"])
             arrs = [wire.decode_tensor(d, f, self.max_tensor_bytes)
@@ -341,6 +428,11 @@ class ShardCore:
                 blk = self.store.blocks[key]
                 tensors.setdefault(blk.layout.name, {**blk.layout.to_wire(), "opt": blk.opt})
                 blocks.append([key, blk.version])
+            for key in sorted(st[p].tables):
+                tbl = self.store.tables[key]
+                tensors.setdefault(split_row_key(key)[0], {"name": split_row_key(key)[0],
+                                                           "table": tbl.cfg})
+                blocks.append([key, tbl.version])
         return {"holds": [[p, st[p].epoch, st[p].seq] for p in ps],
                 "tensors": list(tensors.values()), "blocks": blocks}
 
@@ -359,6 +451,9 @@ class ShardCore:
                 hsh.update(name.encode())
                 hsh.update(repr(v).encode() if isinstance(v, (int, float))
                            else self.backend.to_host(v).tobytes())
+        for key in sorted(pst.tables if pst else ()):
+            hsh.update(key.encode())
+            self.store.tables[key].digest_into(hsh)
         return hsh.hexdigest()
 
     def _digest_reply(self, h: dict) -> list:
@@ -374,6 +469,7 @@ class ShardCore:
     # -- introspection -----------------------------------------------------------------------
     def info(self) -> dict:
         return {"keys": len(self.store.blocks), "bytes": self.store.nbytes,
+                "rows": self.store.rows,
                 "partitions": len(self.store.partitions), **self.stats}
 
     def metrics(self) -> dict:
@@ -385,12 +481,15 @@ class ShardCore:
             ("pushes_refused", "Gradients refused (bad shape, not finite, unknown key)."),
             ("duplicates_skipped", "Gradients received again and not applied again."),
             ("snapshots", "Snapshot requests served."),
+            ("row_reads", "Table row reads served."),
             ("syncs", "Partitions installed from a primary's state (catch-up)."),
             ("states_sent", "Partition states exported to a catching-up standby."),
             ("checkpoints", "Checkpoints written."),
             ("errors", "Messages that failed validation or handling."))}
         m["gradbus_shard_parameter_bytes"] = stats.gauge("Bytes of parameters held.",
                                                          self.store.nbytes)
+        m["gradbus_shard_table_rows"] = stats.gauge("Embedding table rows held.",
+                                                    self.store.rows)
         m["gradbus_shard_partitions"] = stats.gauge("Partitions held.",
                                                     len(self.store.partitions))
         m["gradbus_shard_partitions_catching_up"] = stats.gauge(

@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from gradbus.codecs import specs
-from gradbus.codecs.partition import TensorLayout, split_key
+from gradbus.codecs.partition import TensorLayout, split_key, split_row_key
 
 from .optim import CPU, make_rule
+from .rows import RowPool, RowTable
 
 
 RECENT_WINDOW = 8192     # gradient identities remembered per partition
@@ -63,6 +64,7 @@ class PartitionState:
     epoch: int = 0
     seq: int = 0                 # last batch seq applied
     keys: set = field(default_factory=set)
+    tables: set = field(default_factory=set)     # row keys ("name#p") of the tables held
     # (client, msg, key) of the gradients applied most recently: a push the broker forwards
     # again (resent to a restarted broker, which forgot its duplicate window) applies once.
     recent: OrderedDict = field(default_factory=OrderedDict)
@@ -83,6 +85,8 @@ class ParameterStore:
     def __init__(self, backend=CPU):
         self.backend = backend
         self.blocks: dict[str, Block] = {}
+        self.tables: dict[str, RowTable] = {}     # row key -> that partition's rows
+        self.pools: dict[str, RowPool] = {}       # table name -> the storage of its rows here
         self.partitions: dict[int, PartitionState] = {}
 
     def partition(self, p: int) -> PartitionState:
@@ -106,14 +110,47 @@ class ParameterStore:
         self.partition(p).keys.add(key)
         return blk, True
 
+    def create_table(self, key: str, p: int, cfg: dict) -> tuple[RowTable, bool]:
+        """The rows of a table in partition ``p`` (empty), if absent. Returns (rows, created)."""
+        tbl = self.tables.get(key)
+        if tbl is not None:
+            return tbl, False
+        tbl = self.tables[key] = RowTable(cfg, self.pool(key, cfg))
+        self.partition(p).tables.add(key)
+        return tbl, True
+
+    def pool(self, key: str, cfg: dict) -> RowPool:
+        """The row storage of the table a row key belongs to (made on first use)."""
+        name = split_row_key(key)[0]
+        pool = self.pools.get(name)
+        if pool is None:
+            pool = self.pools[name] = RowPool(cfg)
+        return pool
+
+    def install_table(self, key: str, p: int, tbl: RowTable) -> None:
+        old = self.tables.pop(key, None)
+        if old is not None:
+            old.release()
+        self.tables[key] = tbl
+        self.partition(p).tables.add(key)
+
     def drop(self, p: int) -> list[str]:
-        """Forget partition ``p`` and its blocks; returns the keys dropped."""
+        """Forget partition ``p``, its blocks and table rows; returns the keys dropped."""
         st = self.partitions.pop(p, None)
         keys = sorted(st.keys) if st else []
         for key in keys:
             self.blocks.pop(key, None)
+        for key in (st.tables if st else ()):
+            tbl = self.tables.pop(key, None)
+            if tbl is not None:
+                tbl.release()
         return keys
 
     @property
+    def rows(self) -> int:
+        return sum(t.rows for t in self.tables.values())
+
+    @property
     def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks.values())
+        return (sum(b.nbytes for b in self.blocks.values())
+                + sum(t.nbytes for t in self.tables.values()))

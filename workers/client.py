@@ -27,8 +27,10 @@ from gradbus.codecs import device, net, security, specs, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError, ClosedError, Code,
                                    GradbusError, ShardUnavailableError, WireError, error_from)
-from gradbus.codecs.partition import DEFAULT_BLOCK_BYTES, TensorLayout, block_elems_for
+from gradbus.codecs.partition import (DEFAULT_BLOCK_BYTES, TensorLayout, block_elems_for,
+                                      row_key)
 
+from . import tables as rows_mod
 from .cache import WeightCache
 
 log = logging.getLogger("gradbus.client")
@@ -63,6 +65,7 @@ class Agent(threading.Thread):
         self.dealer = self.sub = None
         self.futures: dict[tuple[str, int], Future] = {}
         self.snap_parts: dict[int, list] = {}      # req -> [replies...]
+        self.row_parts: dict[int, list] = {}       # req -> [(descs, arrays) per shard reply]
         self.snap_need: dict[int, int] = {}
         self.internal: dict[int, list[str]] = {}   # req -> keys of a re-snapshot with no waiter
         self.retries: list = []                      # (when, keys) re-snapshots to try again
@@ -217,6 +220,11 @@ class Agent(threading.Thread):
                 fut.set_result(None)
                 return
             self._snapshot(keys, fut)
+        elif op == "rows":             # ("rows", req, frames, future)
+            _, req, frames, fut = cmd
+            self.futures[("req", req)] = fut
+            self.row_parts[req] = []
+            self.dealer.send_multipart(frames, copy=False)
         elif op == "stop":
             self.stop_flag = True
 
@@ -250,9 +258,12 @@ class Agent(threading.Thread):
             self._settle(h)
         elif kind == wire.SNAPSHOT_REPLY:
             self._on_snapshot(h, frames[1:])
+        elif kind == wire.ROWS_REPLY:
+            self._on_rows(h, frames[1:])
         elif kind in (wire.CATALOG_REPLY, wire.STATUS_REPLY) or (kind == wire.ERROR and "req" in h):
             req = h.get("req")
             self.snap_parts.pop(req, None)
+            self.row_parts.pop(req, None)
             keys = self.internal.pop(req, None)
             if keys is not None and kind == wire.ERROR:
                 # a re-snapshot failed (e.g. the shard is down): try again later
@@ -344,6 +355,27 @@ class Agent(threading.Thread):
                                              f"not held by any shard: {missing[:5]}"))
             else:
                 fut.set_result(None)
+
+    def _on_rows(self, h: dict, frames) -> None:
+        """One shard's part of a table read; the Future resolves once every part is in."""
+        req = h["req"]
+        got = self.row_parts.get(req)
+        if got is None:
+            return
+        descs = wire.parse_tensors(h, frames, self.c.max_tensor_bytes)
+        got.extend((d, wire.decode_tensor(d, f, self.c.max_tensor_bytes))
+                   for d, f in zip(descs, frames))
+        got.append(None)     # one marker per reply
+        if sum(1 for x in got if x is None) < int(h.get("of", 1)):
+            return
+        del self.row_parts[req]
+        fut = self.futures.pop(("req", req), None)
+        if fut is not None and not fut.done():
+            if h.get("missing"):
+                fut.set_exception(error_from(Code.UNKNOWN_KEY.value, f"partitions "
+                                             f"{h['missing'][:8]} of the table are not held"))
+            else:
+                fut.set_result([x for x in got if x is not None])
 
     # -- events on the SUB ------------------------------------------------------------
     def _on_event(self, frames) -> None:
@@ -450,6 +482,7 @@ class Client:
         self._server_versions: dict[str, int] = {}   # name -> version named in heartbeats
         self._pulled: dict[str, int] = {}            # name -> version last returned by pull
         self._bsp_next: dict[str, int] = {}          # name -> version the next pull waits for
+        self._tables: dict[str, dict] = {}           # table name -> its settings (from the broker)
         self.ctx = zmq.Context()
         try:
             welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure,
@@ -653,10 +686,18 @@ class Client:
                     d["cnt"] = cnt      # the shard applies it as cnt gradients (steps of the mean)
                 descs.append(d)
                 bufs.append(buf)
+        extra = {"ver": int(version)} if version is not None else {}
+        fut = self._submit_push(descs, bufs, acks, timeout, extra)
+        self._residual.update(residuals)    # only now is the push really on its way
+        self.stats["push_raw_bytes"] += sum(f.nbytes for f in flats.values())
+        return fut
+
+    def _submit_push(self, descs: list, bufs: list, acks: int, timeout: float | None,
+                     extra: dict) -> Future:
+        """Take credit for an encoded push and hand it to the agent; returns its Future."""
         nbytes = sum(d["n"] for d in descs)
         msg = self._take_credit(nbytes, self.timeout if timeout is None else timeout)
         fut: Future = Future()
-        extra = {"ver": int(version)} if version is not None else {}
         try:
             with self._lock:
                 self._check_open()
@@ -667,10 +708,8 @@ class Client:
                 self._credit_held.pop(msg, None)
                 self._cond.notify_all()
             raise
-        self._residual.update(residuals)    # only now is the push really on its way
         self.stats["pushes"] += 1
-        self.stats["push_bytes"] += sum(d["n"] for d in descs)
-        self.stats["push_raw_bytes"] += sum(f.nbytes for f in flats.values())
+        self.stats["push_bytes"] += nbytes
         if acks == 0:
             fut.set_result(None)
         return fut
@@ -771,6 +810,109 @@ class Client:
                 "error_feedback_keys": len(res),
                 "error_feedback_norm": float(np.sqrt(sum(float((r * r).sum()) for r in res))),
                 "accumulating_keys": len(self._acc)}
+
+    # -- embedding tables -----------------------------------------------------------------
+    def init_table(self, name: str, dim: int, initializer: specs.Initializer | None = None,
+                   optimizer: specs.Optimizer | None = None, *, dtype: str = "float32",
+                   expiry: float | None = None, min_count: int = 1,
+                   timeout: float | None = None) -> None:
+        """Create an embedding table (a no-op when it exists with the same dim and dtype).
+
+        Rows are int64 ids, each a vector of ``dim``; a row is created by the first push that
+        touches it, on the shard owning its partition, so the table spreads over every shard.
+        A row not created yet reads as its initial value (``initializer``, default
+        ``Normal(std=0.01)``; random rules are a function of the seed and the row id).
+        ``optimizer``: ``SGD`` (no momentum), ``Adagrad`` (default, lr 0.05) or ``FTRL``.
+        ``expiry``: seconds after which a row no push touched is dropped (off by default).
+        ``min_count``: a row is created only once ``min_count`` pushes carried its id; the
+        gradients before that are dropped (off by default)."""
+        if not isinstance(name, str) or not name or "#" in name:
+            raise ValueError(f"table names must be non-empty strings without '#', got {name!r}")
+        init = (initializer or specs.Normal(std=0.01)).to_wire()
+        opt = (optimizer or specs.Adagrad(lr=0.05)).to_wire()
+        try:
+            cfg = specs.table_from_wire({"dim": dim, "dtype": dtype, "init": init, "opt": opt,
+                                         "expiry": float(expiry or 0.0), "min_count": min_count})
+        except WireError as e:
+            raise ValueError(f"table {name}: {e.args[0]}") from None
+        fut: Future = Future()
+        self._send("msg", lambda msg: [wire.pack(wire.INIT, msg=msg, opt=opt, tensors=[],
+                                                 tables=[{"name": name, **cfg}])], fut)
+        fut.result(timeout or self.timeout)
+        self._tables.pop(name, None)     # an existing table keeps its own settings
+        self._table(name)
+
+    def _table(self, name: str) -> dict:
+        cfg = self._tables.get(name)
+        if cfg is None:
+            for t in self._request(wire.CATALOG, names=[name]).get("tables") or []:
+                if isinstance(t, dict) and t.get("name") == name:
+                    cfg = self._tables[name] = specs.table_from_wire(t)
+            if cfg is None:
+                raise error_from(Code.UNKNOWN_KEY.value, f"no such table: {name}")
+        return cfg
+
+    def pull_rows(self, name: str, ids, timeout: float | None = None) -> np.ndarray:
+        """The rows ``ids`` (any integer array) of table ``name``, shape ``ids.shape + (dim,)``,
+        read from their shards (one round trip per shard). Rows not created yet read as their
+        initial value. A read sees every push this client sent before it."""
+        cfg = self._table(name)
+        shape = np.shape(ids)
+        flat = rows_mod.as_ids(ids)
+        uniq, inv, reqs = rows_mod.read_plan(name, flat, self.partitions)
+        futs = []
+        for q, _ in reqs:
+            fut: Future = Future()
+            with self._lock:
+                self._check_open()
+                req = next(self._ids)
+                self.agent.submit(("rows", req, [wire.pack(wire.ROWS, req=req, table=name,
+                                                           q=q)], fut))
+            futs.append(fut)
+        t = self.timeout if timeout is None else timeout
+        replies = [f.result(t) for f in futs]
+        out = rows_mod.assemble(name, uniq, reqs, replies, cfg["dim"], cfg["dtype"])
+        self.stats["rows_read"] += len(uniq)
+        return out[inv].reshape(*shape, cfg["dim"])
+
+    def push_rows(self, name: str, ids, grads, codec: str | None = None, acks: int | str = 1,
+                  timeout: float | None = None) -> Future:
+        """Send gradients for rows ``ids`` of table ``name`` (``grads``: one row of ``dim``
+        per id; duplicate ids are summed). Returns a Future, like :meth:`push`; the shards
+        apply one optimizer step per row on the sum of the gradients a batch holds for it.
+        ``codec``: a dense chain (``raw``, ``bf16``, ``fp16``, ``int8``, ``|zstd``); rows
+        get no error feedback."""
+        if acks == "all":
+            acks = wire.ACKS_ALL
+        elif acks not in (0, 1):
+            raise ValueError(f"acks must be 0, 1 or 'all', not {acks!r}")
+        chain = codec or "raw"
+        tcodec.parse_chain(chain)
+        if tcodec.parse_stages(chain).sparsifier is not None:
+            raise ValueError(f"rows take a dense codec chain, not {chain!r}")
+        cfg = self._table(name)
+        flat = rows_mod.as_ids(ids)
+        g = np.asarray(grads)
+        if g.size != len(flat) * cfg["dim"] or (g.ndim >= 1 and g.shape[-1] != cfg["dim"]):
+            raise ValueError(f"{name}: {len(flat)} ids need gradients of shape "
+                             f"[{len(flat)}, {cfg['dim']}], got {g.shape}")
+        g = g.astype(cfg["dtype"], copy=False).reshape(len(flat), cfg["dim"])
+        if not len(flat):
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        uniq, summed = rows_mod.sum_duplicates(flat, g)
+        descs, bufs = [], []
+        for p, where in rows_mod.by_partition(name, uniq, self.partitions):
+            d, buf = wire.encode_tensor(row_key(name, p), np.ascontiguousarray(summed[where]),
+                                        chain, rng=self._rng)
+            d["ids"] = uniq[where].tobytes()
+            descs.append(d)
+            bufs.append(buf)
+        fut = self._submit_push(descs, bufs, acks, timeout, {})
+        self.stats["rows_pushed"] += len(uniq)
+        self.stats["push_raw_bytes"] += summed.nbytes
+        return fut
 
     def pull(self, keys=None, min_version: int | None = None,
              timeout: float | None = None) -> dict[str, np.ndarray]:

@@ -581,6 +581,13 @@ def status(broker_url, as_json, timeout, curve):
     for t in st["tensors"]:
         click.echo(f"{t['name']:<24}{t['dtype']:<9}{str(tuple(t['shape'])):<18}{t['blocks']:>7}"
                    f"{t['version']:>9}  {t['optimizer']}")
+    if st.get("tables"):
+        click.echo("")
+        click.echo(f"{'TABLE':<24}{'DTYPE':<9}{'DIM':>6}{'ROWS':>12}{'BYTES':>12}{'VERSION':>10}"
+                   f"  OPTIMIZER")
+        for t in st["tables"]:
+            click.echo(f"{t['name']:<24}{t['dtype']:<9}{t['dim']:>6}{t['rows']:>12}"
+                       f"{_fmt_bytes(t['bytes']):>12}{t['version']:>10}  {t['optimizer']}")
 
 
 @config.config_option
@@ -603,7 +610,7 @@ def top(broker_url, interval, once, curve):
 
 
 @config.config_option
-@main.command()
+@main.group(invoke_without_command=True)
 @click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 16))
 @click.option("--shards", default=2, show_default=True, type=click.IntRange(1, 16))
 @click.option("--epochs", default=None, type=click.IntRange(1, 1000),
@@ -619,9 +626,14 @@ def top(broker_url, interval, once, curve):
               help="Sum this many local steps per push.")
 @click.option("--optimizer", type=click.Choice(["adam", "momentum"]), default="adam",
               show_default=True, help="Server-side optimizer (the baseline always uses adam).")
-def demo(workers, shards, epochs, codec, broker_url, as_json, seed, error_feedback, accumulate,
-         optimizer):
-    """Train an MLP on the handwritten digits with asynchronous workers through gradbus."""
+@click.pass_context
+def demo(ctx, workers, shards, epochs, codec, broker_url, as_json, seed, error_feedback,
+         accumulate, optimizer):
+    """Train an MLP on the handwritten digits with asynchronous workers through gradbus.
+
+    `gradbus demo ctr` trains a click-through-rate model on embedding tables instead."""
+    if ctx.invoked_subcommand is not None:
+        return
     try:
         from gradbus import demo as demo_mod
     except ImportError as e:
@@ -637,6 +649,42 @@ def demo(workers, shards, epochs, codec, broker_url, as_json, seed, error_feedba
         click.echo(json.dumps(summary, sort_keys=True))
     else:
         click.echo(demo_mod.format_summary(summary))
+
+
+@demo.command("ctr")
+@click.option("--workers", default=2, show_default=True, type=click.IntRange(1, 16))
+@click.option("--shards", default=2, show_default=True, type=click.IntRange(1, 16))
+@click.option("--epochs", default=2, show_default=True, type=click.IntRange(1, 100))
+@click.option("--train", "n_train", default=100_000, show_default=True,
+              type=click.IntRange(1000, 10_000_000), help="Training examples (click logs).")
+@click.option("--broker", "broker_url", default=None,
+              help="Train against this running cluster instead of starting one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on the last line.")
+@click.option("--seed", default=0, show_default=True, type=int)
+def demo_ctr(workers, shards, epochs, n_train, broker_url, as_json, seed):
+    """Train a click-through-rate model (embedding tables and a small MLP) on click logs drawn
+    from a planted model, and score it against the best achievable log loss and AUC."""
+    from gradbus import demo_ctr as ctr
+    try:
+        summary = ctr.run(workers=workers, shards=shards, epochs=epochs, n_train=n_train,
+                          broker_url=broker_url, seed=seed, echo=click.echo)
+    except GradbusError as e:
+        raise click.ClickException(str(e))
+    click.echo(json.dumps(summary, sort_keys=True) if as_json else ctr.format_summary(summary))
+
+
+@config.config_option
+@main.command("ctr-worker", hidden=True)
+@broker_option
+@click.option("--index", default=0, type=int)
+@click.option("--workers", default=1, type=int)
+@click.option("--epochs", default=2, type=int)
+@click.option("--train", "n_train", default=100_000, type=int)
+@click.option("--seed", default=0, type=int)
+def ctr_worker_cmd(broker_url, index, workers, epochs, n_train, seed):
+    """Run one `gradbus demo ctr` worker (start one by hand to add a worker)."""
+    from gradbus import demo_ctr as ctr
+    ctr.worker_main(broker_url, index, workers, epochs, n_train, seed)
 
 
 @config.config_option

@@ -6,6 +6,7 @@ held-out test set next to the same model trained in one process for the same epo
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -78,11 +79,15 @@ def _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optim
 def _init_when_ready(client, tensors, optimizer, wait: float = 60.0) -> None:
     """init, waiting (with back-off) while the cluster has no live shard yet: a worker started
     next to a fresh broker (containers) need not be started last."""
+    when_ready(lambda: client.init(tensors, optimizer=optimizer), wait)
+
+
+def when_ready(call, wait: float = 60.0):
+    """``call()``, retried with back-off while the cluster has no live shard yet."""
     deadline, delay = time.monotonic() + wait, 0.2
     while True:
         try:
-            client.init(tensors, optimizer=optimizer)
-            return
+            return call()
         except GradbusError as e:
             code = getattr(e.code, "value", e.code)
             if code not in ("NO_SHARDS", "SHARD_UNAVAILABLE") or time.monotonic() > deadline:
@@ -92,17 +97,27 @@ def _init_when_ready(client, tensors, optimizer, wait: float = 60.0) -> None:
             delay = min(delay * 2, 2.0)
 
 
-def worker_line(index: int, line: str, done: dict, echo=print) -> None:
-    """One line of worker ``index``'s output: its final summary (``"done"``) is kept in
-    ``done``; the progress of its first and every fifth epoch is echoed, other text as it is."""
+def progress_line(index: int, line: str, done: dict, echo=print) -> dict | None:
+    """One line of worker ``index``'s output: a JSON progress message is returned; its final
+    summary (``"done"``) is kept in ``done``, and other text is echoed as it is."""
     try:
         msg = json.loads(line)
     except ValueError:
         echo(line.rstrip())
-        return
-    if msg.get("done"):
+        return None
+    if isinstance(msg, dict) and msg.get("done"):
         done[index] = msg
-    elif "epoch" not in msg:
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def worker_line(index: int, line: str, done: dict, echo=print) -> None:
+    """One line of worker ``index``'s output: its final summary (``"done"``) is kept in
+    ``done``; the progress of its first and every fifth epoch is echoed, other text as it is."""
+    msg = progress_line(index, line, done, echo)
+    if msg is None:
+        return
+    if "epoch" not in msg:
         echo(f"  worker {index}  " + "  ".join(f"{k} {v}" for k, v in msg.items()
                                                if k != "worker"))
     elif msg["epoch"] % 5 == 0 or msg["epoch"] == 1:
@@ -110,54 +125,36 @@ def worker_line(index: int, line: str, done: dict, echo=print) -> None:
              f"loss {msg['loss']:.4f}  pushes {msg['pushes']}")
 
 
-def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str = "raw",
-        broker_url: str | None = None, seed: int = 0, echo=print, error_feedback: bool = True,
-        accumulate: int = 1, baseline: bool = True, optimizer: str = "adam") -> dict:
+@contextlib.contextmanager
+def cluster_at(broker_url: str | None, shards: int, echo=print):
+    """The given broker URL, or a local cluster of ``shards`` shards started for the block."""
+    if broker_url is not None:
+        yield broker_url
+        return
     from gradbus.cluster import LocalCluster
-    epochs = epochs or dm.DEFAULT_EPOCHS
-    t0 = time.perf_counter()
-    cluster = None
-    if broker_url is None:
-        echo(f"starting a local cluster: 1 broker, {shards} shards")
-        cluster = LocalCluster(shards, port=0).start()
-        broker_url = cluster.url
+    echo(f"starting a local cluster: 1 broker, {shards} shards")
+    cluster = LocalCluster(shards, port=0).start()
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+def run_workers(argvs: list[list[str]], on_line, env=None) -> dict[int, dict]:
+    """Run one worker process per argv; each line of worker ``i``'s output goes to
+    ``on_line(i, line, done)``, which puts its final summary in ``done[i]``. Raises if a worker
+    fails or ends without one; no worker outlives the call."""
     procs = []
     try:
-        echo(f"broker {broker_url}; {workers} workers, {epochs} epochs, codec {codec}")
-        for i in range(workers):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "gradbus", "worker", "--broker", broker_url, "--index",
-                 str(i), "--workers", str(workers), "--epochs", str(epochs), "--codec", codec,
-                 "--seed", str(seed), "--accumulate", str(accumulate),
-                 "--optimizer", optimizer,
-                 "--error-feedback" if error_feedback else "--no-error-feedback"],
-                stdout=subprocess.PIPE, text=True))
-        done = {}
+        for argv in argvs:
+            procs.append(subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env))
+        done: dict[int, dict] = {}
         for i, p in enumerate(procs):   # lines arrive interleaved in time; read each to its end
             for line in p.stdout:
-                worker_line(i, line, done, echo)
+                on_line(i, line, done)
             if p.wait() != 0 or i not in done:
                 raise GradbusError(f"worker {i} failed (exit {p.returncode})")
-        with gradbus.connect(broker_url) as c:
-            names = [PARAM_PREFIX + k for k in dm.init_params(dm.DEFAULT_SIZES, seed)]
-            w = c.pull(names)
-            st = c.status()
-        params = {k[len(PARAM_PREFIX):]: v for k, v in w.items()}
-        _, _, Xt, yt = dm.load_digits_split(seed)
-        acc = dm.accuracy(params, Xt, yt)
-        seconds = time.perf_counter() - t0
-        base = dm.train_single_process(epochs=epochs, seed=seed) if baseline else None
-        return {"test_accuracy": round(acc, 4),
-                "baseline_accuracy": round(base["test_accuracy"], 4) if base else None,
-                "pushes": int(st["counters"].get("pushes_applied", 0)),
-                "wire_bytes": int(sum(d["push_bytes"] + d["recv_bytes"] for d in done.values())),
-                "push_bytes": int(sum(d["push_bytes"] for d in done.values())),
-                "push_raw_bytes": int(sum(d["push_raw_bytes"] for d in done.values())),
-                "weight_gaps": int(sum(d["cache"].get("gaps", 0) for d in done.values())),
-                "error_feedback": error_feedback, "accumulate": accumulate,
-                "optimizer": optimizer,
-                "seconds": round(seconds, 2), "workers": workers, "shards": shards,
-                "epochs": epochs, "codec": codec}
+        return done
     finally:
         for p in procs:
             if p.poll() is None:
@@ -165,8 +162,42 @@ def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str
                 p.wait()
             if p.stdout:
                 p.stdout.close()
-        if cluster is not None:
-            cluster.stop()
+
+
+def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str = "raw",
+        broker_url: str | None = None, seed: int = 0, echo=print, error_feedback: bool = True,
+        accumulate: int = 1, baseline: bool = True, optimizer: str = "adam") -> dict:
+    epochs = epochs or dm.DEFAULT_EPOCHS
+    t0 = time.perf_counter()
+    with cluster_at(broker_url, shards, echo) as broker_url:
+        echo(f"broker {broker_url}; {workers} workers, {epochs} epochs, codec {codec}")
+        done = run_workers(
+            [[sys.executable, "-m", "gradbus", "worker", "--broker", broker_url, "--index",
+              str(i), "--workers", str(workers), "--epochs", str(epochs), "--codec", codec,
+              "--seed", str(seed), "--accumulate", str(accumulate), "--optimizer", optimizer,
+              "--error-feedback" if error_feedback else "--no-error-feedback"]
+             for i in range(workers)],
+            lambda i, line, done: worker_line(i, line, done, echo))
+        with gradbus.connect(broker_url) as c:
+            names = [PARAM_PREFIX + k for k in dm.init_params(dm.DEFAULT_SIZES, seed)]
+            w = c.pull(names)
+            st = c.status()
+    params = {k[len(PARAM_PREFIX):]: v for k, v in w.items()}
+    _, _, Xt, yt = dm.load_digits_split(seed)
+    acc = dm.accuracy(params, Xt, yt)
+    seconds = time.perf_counter() - t0
+    base = dm.train_single_process(epochs=epochs, seed=seed) if baseline else None
+    return {"test_accuracy": round(acc, 4),
+            "baseline_accuracy": round(base["test_accuracy"], 4) if base else None,
+            "pushes": int(st["counters"].get("pushes_applied", 0)),
+            "wire_bytes": int(sum(d["push_bytes"] + d["recv_bytes"] for d in done.values())),
+            "push_bytes": int(sum(d["push_bytes"] for d in done.values())),
+            "push_raw_bytes": int(sum(d["push_raw_bytes"] for d in done.values())),
+            "weight_gaps": int(sum(d["cache"].get("gaps", 0) for d in done.values())),
+            "error_feedback": error_feedback, "accumulate": accumulate,
+            "optimizer": optimizer,
+            "seconds": round(seconds, 2), "workers": workers, "shards": shards,
+            "epochs": epochs, "codec": codec}
 
 
 def format_summary(s: dict) -> str:

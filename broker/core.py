@@ -564,10 +564,13 @@ class BrokerCore:
         ref = (client.identity, msg)
         self.pending[ref] = Pending(client.identity, msg, "push", len(routed),
                                     acks=ALL if h["acks"] == ALL else 1, t0=self.now)
+        ts = None
         for (p, d, fr, name), raw in zip(routed, h["t"]):
             entry = {"op": "push", "c": client.identity, "m": msg}
             if d.ids is not None:     # rows: the time that row expiry counts from, the same
-                entry["ts"] = round(self.wall(), 3)          # on every replica
+                if ts is None:        # on every replica
+                    ts = round(self.wall(), 3)
+                entry["ts"] = ts
             w = weights.get(name)
             if w is not None:
                 entry["w"] = w

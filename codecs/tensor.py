@@ -39,6 +39,15 @@ from .errors import Code, WireError
 
 #: dtypes a tensor frame may declare.
 ALLOWED_DTYPES = frozenset({"float16", "float32", "float64", "int32", "int64", "uint8"})
+#: the dtype objects of the allowed names, and their names (``dtype.name`` is slow to compute)
+DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
+_NAMES = {dt: name for name, dt in DTYPES.items()}
+
+
+def dtype_name(dt: np.dtype) -> str:
+    """``dt.name``, from a table for the allowed dtypes."""
+    name = _NAMES.get(dt)
+    return name if name is not None else dt.name
 #: dtypes a parameter (and so a gradient) may have.
 PARAM_DTYPES = frozenset({"float32", "float64"})
 SPARSIFIERS = ("topk", "randomk")
@@ -77,6 +86,11 @@ class Stages:
     @property
     def sparsifier(self) -> str | None:
         return self.sparse.partition(":")[0] if self.sparse else None
+
+    @property
+    def plain(self) -> bool:
+        """Just ``raw``: the frame is the array's bytes."""
+        return self.sparse is None and self.coder == "raw" and not self.shuffle and not self.zstd
 
     @property
     def lossy(self) -> bool:
@@ -493,7 +507,9 @@ def encode(arr: np.ndarray, chain: str = "raw", rng: np.random.Generator | None 
     st = parse_stages(chain)
     shape = np.shape(arr)
     a = np.ascontiguousarray(arr)   # at least 1-d
-    if a.dtype.name not in ALLOWED_DTYPES:
+    if st.plain and not want_decoded and a.dtype in _NAMES and a.dtype.isnative:
+        return "raw", a.reshape(-1)        # the common case, without the general machinery
+    if dtype_name(a.dtype) not in ALLOWED_DTYPES:
         raise WireError(Code.BAD_DTYPE, f"dtype {a.dtype} is not allowed")
     if not a.dtype.isnative:   # the wire is little-endian native order: '>f4' is converted
         a = a.astype(a.dtype.newbyteorder("="))
@@ -547,7 +563,10 @@ def encoded_len_fixed(chain: str, dtype: str, shape) -> int | None:
     st = parse_stages(chain)
     if st.zstd or st.sparse:
         return None
-    return _values_len(st.coder, np.dtype(dtype), math.prod(shape))
+    dt = DTYPES.get(dtype) or np.dtype(dtype)
+    if st.plain:
+        return dt.itemsize * math.prod(shape)
+    return _values_len(st.coder, dt, math.prod(shape))
 
 
 def _payload(buf) -> np.ndarray:
@@ -575,10 +594,16 @@ def _decompress(data: np.ndarray, limit: int, exact: bool, shape) -> np.ndarray:
 def _decode(buf, chain: str, dtype: str, shape, max_bytes: int):
     """Validate and decode a frame: ``(indices or None, values, n, dtype)``."""
     st = parse_stages(chain)
-    if dtype not in ALLOWED_DTYPES:
+    dt = DTYPES.get(dtype)
+    if dt is None:
         raise WireError(Code.BAD_DTYPE, f"dtype {dtype!r} is not allowed")
-    dt = np.dtype(dtype)
     n = math.prod(shape)
+    if st.plain and n >= 0 and n * dt.itemsize <= max_bytes:    # raw: a view, length checked
+        data = _payload(buf)
+        if len(data) != n * dt.itemsize:
+            raise WireError(Code.BAD_SHAPE, f"{len(data)} bytes do not match shape "
+                                            f"{list(shape)} of {dtype} ({chain})")
+        return None, data.view(dt), n, dt
     if n < 0:
         raise WireError(Code.BAD_SHAPE, f"shape {list(shape)} has a negative dimension")
     if n * dt.itemsize > max_bytes:

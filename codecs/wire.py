@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 import xxhash
+import zmq
 
 from . import device
 from . import tensor as tcodec
@@ -130,7 +131,10 @@ def frame_buffer(frame):
 
 def frame_len(frame) -> int:
     """A frame's length in bytes without copying it."""
-    return frame.buffer.nbytes if hasattr(frame, "buffer") else len(frame)
+    t = type(frame)
+    if t is zmq.Frame or t is bytes:
+        return len(frame)
+    return frame.buffer.nbytes if hasattr(frame, "buffer") else memoryview(frame).nbytes
 
 
 def checksum(buf) -> int:
@@ -204,7 +208,7 @@ def split_weights_codec(chain: str) -> tuple[bool, str]:
 
 def _desc(key: str, arr: np.ndarray, applied: str, buf, version: int | None) -> dict:
     mv = memoryview(buf)
-    desc = {"k": key, "d": arr.dtype.name, "s": list(arr.shape), "c": applied,
+    desc = {"k": key, "d": tcodec.dtype_name(arr.dtype), "s": list(arr.shape), "c": applied,
             "n": mv.nbytes, "x": checksum(mv)}
     if version is not None:
         desc["ver"] = version
@@ -219,41 +223,44 @@ def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
     """Validate one tensor descriptor (no frame needed)."""
     if not isinstance(d, dict):
         _bad(Code.BAD_FIELD, "tensor descriptor must be a map")
-    key, dtype, shape, codec, n, x = (d.get(f) for f in ("k", "d", "s", "c", "n", "x"))
-    if not isinstance(key, str) or not key or len(key) > 512:
+    get = d.get
+    key, dtype, shape, codec, n, x = get("k"), get("d"), get("s"), get("c"), get("n"), get("x")
+    if type(key) is not str or not key or len(key) > 512:
         _bad(Code.BAD_FIELD, "tensor key must be a non-empty string")
-    if not isinstance(dtype, str) or dtype not in tcodec.ALLOWED_DTYPES:
+    if type(dtype) is not str or dtype not in tcodec.ALLOWED_DTYPES:
         _bad(Code.BAD_DTYPE, f"{key}: dtype {dtype!r} is not allowed")
-    if (not isinstance(shape, list) or len(shape) > MAX_NDIM
-            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**40
-                       for s in shape)):
+    if type(shape) is not list or len(shape) > MAX_NDIM:
         _bad(Code.BAD_SHAPE, f"{key}: shape must be a list of at most {MAX_NDIM} non-negative ints")
     size = 1
     nonzero = 1
-    for s in shape:
+    for s in shape:      # type() is int: msgpack ints, never bools
+        if type(s) is not int or not 0 <= s < 2**40:
+            _bad(Code.BAD_SHAPE, f"{key}: shape must be a list of at most {MAX_NDIM} "
+                                 "non-negative ints")
         size *= s
-        nonzero *= max(s, 1)
+        nonzero *= s or 1
     if nonzero >= 2**62:
         _bad(Code.BAD_SHAPE, f"{key}: shape {shape} is out of range")
-    itemsize = np.dtype(dtype).itemsize
+    itemsize = tcodec.DTYPES[dtype].itemsize
     if size * itemsize > max_tensor_bytes:
         _bad(Code.TOO_LARGE, f"{key}: {size * itemsize} B decoded is above the cap of "
                              f"{max_tensor_bytes} B")
-    if not isinstance(codec, str):
+    if type(codec) is not str:
         _bad(Code.BAD_CODEC, f"{key}: codec must be a string")
-    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+    if type(n) is not int or n < 0:
         _bad(Code.BAD_FIELD, f"{key}: n must be a non-negative int")
-    if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < 2**64:
+    if type(x) is not int or not 0 <= x < 2**64:
         _bad(Code.BAD_FIELD, f"{key}: x (checksum) must be a uint64")
     fixed = tcodec.encoded_len_fixed(codec, dtype, shape)  # raises BAD_CODEC
     if fixed is not None and fixed != n:
         _bad(Code.BAD_SHAPE, f"{key}: shape {shape} of {dtype} with codec {codec} needs "
                              f"{fixed} bytes, header says {n}")
-    ver, base, cnt = d.get("ver"), d.get("base"), d.get("cnt", 1)
-    for name, v in (("ver", ver), ("base", base)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            _bad(Code.BAD_FIELD, f"{key}: {name} must be a non-negative int")
-    if not isinstance(cnt, int) or isinstance(cnt, bool) or not 1 <= cnt <= 1 << 30:
+    ver, base, cnt = get("ver"), get("base"), get("cnt", 1)
+    if ver is not None and (type(ver) is not int or ver < 0):
+        _bad(Code.BAD_FIELD, f"{key}: ver must be a non-negative int")
+    if base is not None and (type(base) is not int or base < 0):
+        _bad(Code.BAD_FIELD, f"{key}: base must be a non-negative int")
+    if type(cnt) is not int or not 1 <= cnt <= 1 << 30:
         _bad(Code.BAD_FIELD, f"{key}: cnt must be a positive int")
     ids = d.get("ids")
     if ids is not None:

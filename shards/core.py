@@ -13,6 +13,7 @@ blocks with ``(epoch, seq)``, so subscribers can detect gaps.
 from __future__ import annotations
 
 import logging
+import math
 
 import numpy as np
 
@@ -228,11 +229,13 @@ class ShardCore:
         tbl = self.store.tables.get(desc.key)
         if tbl is None:
             raise WireError(Code.UNKNOWN_KEY, f"{desc.key} is not held here")
-        if desc.shape[1] != tbl.dim or np.dtype(desc.dtype) != tbl.dtype:
+        if desc.shape[1] != tbl.dim or desc.dtype != tbl.cfg["dtype"]:
             raise WireError(Code.BAD_SHAPE, f"{desc.key}: rows {desc.dtype}{list(desc.shape)} "
                                             f"do not match {tbl.dtype}[n, {tbl.dim}]")
         vals = wire.decode_tensor(desc, frame, self.max_tensor_bytes).reshape(desc.shape)
-        if self.nan_policy == "refuse" and not np.isfinite(vals).all():
+        # one reduction first (a sum is finite when every value is); exact check only if not
+        if (self.nan_policy == "refuse" and not math.isfinite(np.add.reduce(vals, axis=None))
+                and not np.isfinite(vals).all()):
             raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
         if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
             self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
@@ -246,7 +249,7 @@ class ShardCore:
         res = {"p": p, "seq": seq, "epoch": epoch, "errors": errors, "vers": vers}
         if rows:    # a table's rows are read on request (ROWS), never published
             vers.update({key: tbl.version for key, tbl in rows.items()})
-            res["tr"] = {split_row_key(key)[0]: [tbl.rows, tbl.nbytes]
+            res["tr"] = {key.rpartition("#")[0]: [tbl.rows, tbl.nbytes]
                          for key, tbl in rows.items()}
         if duplicate:
             res["dup"] = True

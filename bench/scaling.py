@@ -15,7 +15,12 @@ One JSON line per phase:
                     partition: every push touches every partition here; compare with the
                     "before" phase's max_ack_gap_s, the gap with nothing moving)
 
-Usage: python bench/scaling.py [--mib 16] [--partitions 8] [--phase 5] [--workers 2]
+With ``--probe ELEMS`` the workers push only a small tensor with a block of ELEMS elements in
+every partition, while a bulk tensor (never pushed) fills the partitions to ``--mib``: pushes
+are then frequent, and ``longest_pause_s`` is the longest any partition went without an
+acknowledged push while ``--mib`` MiB of it moved (target: under 200 ms for 64 MiB).
+
+Usage: python bench/scaling.py [--mib 16] [--partitions 8] [--phase 5] [--workers 2] [--probe N]
 """
 from __future__ import annotations
 
@@ -27,21 +32,36 @@ import time
 import numpy as np
 
 
-def _worker(url, n, stop, q):
+def _worker(url, n, stop, q, probe=0, partitions=1):
     import gradbus
     acks = []
     with gradbus.connect(url, timeout=120, window=4) as c:
         c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-9))
-        g = np.ones(n, np.float32)
+        grads = {"w": np.ones(n, np.float32)}
+        if probe:       # small pushes that touch every partition; "w" is only the bulk to move
+            grads = {"probe": np.ones(_probe_size(probe, partitions), np.float32)}
+            with gradbus.connect(url, timeout=120, block_bytes=probe * 4) as small:
+                small.init({"probe": np.zeros_like(grads["probe"])},
+                           optimizer=gradbus.SGD(lr=1e-9))
         futs = []
         while not stop.is_set():
-            f = c.push({"w": g})
+            f = c.push(grads)
             f.add_done_callback(lambda f: acks.append(time.time()))
             futs.append(f)
             if len(futs) > 64:
                 futs = [x for x in futs if not x.done()]
         c.flush(120)
     q.put(sorted(acks))
+
+
+def _probe_size(block: int, partitions: int) -> int:
+    """Elements of a tensor of ``block``-element blocks with a block in every partition."""
+    from gradbus.codecs.partition import partition_of
+    n, seen = 0, set()
+    while len(seen) < partitions:
+        seen.add(partition_of(f"probe/{n}", partitions))
+        n += 1
+    return n * block
 
 
 def _rate(ts, a, b):
@@ -54,6 +74,10 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=8)
     ap.add_argument("--phase", type=float, default=5.0)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--probe", type=int, default=0, metavar="ELEMS",
+                    help="push only a small tensor of ELEMS-element blocks, one in every "
+                         "partition, while the partitions hold --mib each: the ack gaps are "
+                         "then the pause a partition sees while it moves")
     args = ap.parse_args()
     from gradbus import admin
     from gradbus.cluster import LocalCluster
@@ -67,24 +91,32 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     q, stop = ctx.Queue(), ctx.Event()
     try:
-        t0 = time.time()
-        join_at = t0 + 2 + args.phase              # 2 s of warm-up, then "before"
-        procs = [ctx.Process(target=_worker, args=(cluster.url, n, stop, q))
+        procs = [ctx.Process(target=_worker, args=(cluster.url, n, stop, q, args.probe,
+                                                   args.partitions))
                  for _ in range(args.workers)]
         for p in procs:
             p.start()
+        while not admin.status(cluster.url)["counters"].get("pushes_applied"):
+            time.sleep(0.1)                        # the workers created the tensors
+        join_at = time.time() + 1 + args.phase     # 1 s of warm-up, then "before"
         while time.time() < join_at:
             time.sleep(0.05)
         cluster.add_shard("shard-1")
         t_join = time.time()
+        quiet_since = None      # moves start a few at a time: done when none ran for 1 s
         while True:
             st = admin.status(cluster.url)
-            if st["counters"].get("moves", 0) and not st["moves_in_progress"]:
+            busy = st["moves_in_progress"] or not st["counters"].get("moves", 0)
+            if busy:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.time()
+            elif time.time() - quiet_since >= 1.0:
                 break
             if time.time() > t_join + 50:
                 raise SystemExit("moves did not finish in 50 s")
             time.sleep(0.05)
-        t_done = time.time()
+        t_done = quiet_since     # the last move finished before this
         moves = st["moves"]
         after_end = t_done + args.phase
         # stop the workers after the "after" phase
@@ -107,7 +139,7 @@ def main() -> None:
     gaps = np.diff([t for t in acks if t_join <= t <= t_done]) if acks else []
     steady = np.diff([t for t in acks if join_at - args.phase <= t < join_at])
     base = {"bench": "scaling", "mib_per_partition": args.mib, "partitions": args.partitions,
-            "workers": args.workers}
+            "workers": args.workers, "probe_elems": args.probe}
     print(json.dumps({**base, "phase": "before", "pushes_per_s": round(before, 2),
                       "max_ack_gap_s": round(float(max(steady)), 3) if len(steady) else None}))
     print(json.dumps({**base, "phase": "during", "seconds": round(t_done - t_join, 2),

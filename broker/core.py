@@ -40,7 +40,9 @@ MAX_PENDING_BYTES = 512 << 20    # above this the loop stops reading the fronten
 DEDUPE_WINDOW = 100_000          # (client, msg_id) pairs remembered per client
 MAX_BLOCKS_PER_TENSOR = 1 << 20  # an INIT asking for more blocks is refused (TOO_LARGE)
 MAX_PARAM_BYTES = 1 << 40        # one parameter tensor above this is refused (TOO_LARGE)
-MAX_SYNCS = 32                   # partitions catching up on standbys at once
+MAX_SYNCS = 32                   # partitions catching up on standbys at once ...
+MAX_SYNC_BYTES = 64 << 20        # ... and their bytes (one partition, however large, may go):
+                                 # a state in transit delays the heartbeats behind it
 ALL = wire.ACKS_ALL
 
 
@@ -735,14 +737,22 @@ class BrokerCore:
         for key in h["keys"]:
             if not isinstance(key, str):
                 raise WireError(Code.BAD_FIELD, "snapshot keys must be strings")
-            self._block(key)
-            by_shard[self._live_owner(key, partition_of(key, self.P))].append(key)
+            t, idx = self._block(key)
+            sid = self._live_owner(key, partition_of(key, self.P))
+            # one reply carries at most max_batch_bytes: a shard's heartbeats wait behind it
+            chunks = by_shard[sid]
+            size = t.layout.block_bytes(idx)
+            if not chunks or (chunks[-1][1] and chunks[-1][1] + size > self.max_batch_bytes):
+                chunks.append([[], 0])
+            chunks[-1][0].append(key)
+            chunks[-1][1] += size
         if not by_shard:
             return [(FRONT, client.identity, [wire.pack(wire.SNAPSHOT_REPLY, req=req, parts=[],
                                                         of=1, missing=[])])]
-        for sid, keys in by_shard.items():
-            self.shards[sid].queued_snapshots.append((client.identity, req, keys, len(by_shard),
-                                                      None))
+        of = sum(len(c) for c in by_shard.values())
+        for sid, chunks in by_shard.items():
+            for keys, _ in chunks:
+                self.shards[sid].queued_snapshots.append((client.identity, req, keys, of, None))
         return []
 
     def _rows(self, client: ClientInfo, h: dict) -> list:
@@ -1366,14 +1376,13 @@ class BrokerCore:
         the shard holding most bytes to the one holding fewest, each move only if it narrows
         the gap (so plans converge and never oscillate)."""
         actions = []
-        busy = sum(len(v) for v in self.syncing.values())
         targets = [x for x in self.shards.values() if x.alive and x.id not in self.draining]
         if not targets:
             return actions
         for sid in sorted(self.draining):
             src = self.shards[sid]
             for p in sorted(src.partitions):
-                if busy >= MAX_SYNCS:
+                if not self._sync_room(p):
                     return actions
                 if p in self.moves or p in self.syncing or self.owners[p] is None or (
                         not self._live(self.owners[p])):
@@ -1385,12 +1394,11 @@ class BrokerCore:
                     continue
                 dst = min(cands, key=lambda x: (x.bytes, x.id))
                 actions += self._start_move(p, sid, dst.id, now)
-                busy += 1
             actions += self._maybe_drained(src)
         if not (self.rebalance_wanted and len(targets) > 1):
             return actions
         moved = False
-        while busy < MAX_SYNCS:
+        while True:
             heavy = max(targets, key=lambda x: (x.bytes, x.id))
             light = min(targets, key=lambda x: (x.bytes, x.id))
             gap = heavy.bytes - light.bytes
@@ -1401,14 +1409,23 @@ class BrokerCore:
                         and not self._holds(light.id, p) and self._live(self.owners[p])
                         and (best is None or size > self.pbytes[best])):
                     best = p
-            if best is None:
+            if best is None or not self._sync_room(best):
+                moved = moved or best is not None     # waits for room, not balanced yet
                 break
             actions += self._start_move(best, heavy.id, light.id, now)
-            busy += 1
             moved = True
         if not moved and not self.moves:
             self.rebalance_wanted = False     # balanced
         return actions
+
+    def _sync_room(self, p: int) -> bool:
+        """Whether another copy of partition p may start catching up now: fewer than
+        MAX_SYNCS copies are, holding at most MAX_SYNC_BYTES with p's (or none is)."""
+        busy = sum(len(v) for v in self.syncing.values())
+        if not busy:
+            return True
+        held = sum(self.pbytes[q] * len(v) for q, v in self.syncing.items())
+        return busy < MAX_SYNCS and held + self.pbytes[p] <= MAX_SYNC_BYTES
 
     def _release_standby(self, p: int, s: ShardInfo) -> list:
         self.standbys[p].remove(s.id)
@@ -1579,15 +1596,14 @@ class BrokerCore:
         if len(live) < 2:
             return []
         actions = []
-        busy = sum(len(v) for v in self.syncing.values())
         for p in range(self.P):
-            if busy >= MAX_SYNCS:
+            if not self._sync_room(p):
                 break
             owner = self.owners[p]
             if owner is None or p in self.lost or not self._live(owner):
                 continue
             have = 1 + len(self.standbys[p]) + len(self.syncing.get(p, ()))
-            while have < self.replicas and busy < MAX_SYNCS:
+            while have < self.replicas and self._sync_room(p):
                 cands = [x for x in live if not self._holds(x.id, p)]
                 if not cands:
                     break
@@ -1600,7 +1616,6 @@ class BrokerCore:
                                 [wire.pack(wire.STATE_REQ, p=p, to=t.id)]))
                 self.counters["syncs_started"] += 1
                 have += 1
-                busy += 1
         return actions
 
     # ------------------------------------------------------------------ clock

@@ -167,6 +167,9 @@ class BrokerServer:
                 else:
                     first_pending = None
                 if now >= next_tick:
+                    # read what shards sent meanwhile before judging their liveness
+                    if self._drain(self.backend, self.core.on_backend, DRAIN_MAX):
+                        now = self.clock()
                     if self.handshakes is not None:   # refused CURVE handshakes, in errors
                         self.handshakes.drain(self.core.errors)
                     self._do(self.core.on_tick(now))

@@ -398,3 +398,24 @@ def test_delta_weights_reconstruct_what_the_shard_published(chain):
     blocks, useq = feed(out)
     cache.parts[0].last_seq = useq - 1                      # even with the seq gap hidden
     assert cache.on_update(0, useq, blocks) is True
+
+
+def test_a_large_snapshot_is_answered_in_parts_of_at_most_a_batch():
+    """A shard's heartbeats queue behind its replies: one snapshot reply carries at most
+    max_batch_bytes of blocks, and the client is told how many replies to expect."""
+    rig = Rig(("s0",), partitions=1, max_batch_bytes=40)
+    frames, layout = init_msg(1, "w", np.arange(40, dtype=np.float32))   # 10 blocks of 16 B
+    rig.client(b"c", frames)
+    while rig.broker.pending_entries:        # the init goes out 2 blocks per batch
+        rig.deliver(rig.broker.flush(rig.now))
+    rig.replies(b"c")
+    sent = []
+    orig = rig.to_shard
+    rig.to_shard = lambda sid, fr: (sent.append(unpack(fr[0])), orig(sid, fr))
+    rig.client(b"c", [wire.pack(wire.SNAPSHOT, req=5, keys=layout.block_keys())])
+    asks = [h for h in sent if h["kind"] == "snapshot"]
+    assert [len(h["keys"]) for h in asks] == [2, 2, 2, 2, 2]
+    assert {h["of"] for h in asks} == {5}
+    replies = [r for r in rig.replies(b"c") if r["kind"] == "snapshot_reply"]
+    assert len(replies) == 5 and sorted(d["k"] for r in replies for d in r["t"]) == sorted(
+        layout.block_keys())

@@ -859,7 +859,8 @@ class Client:
         cfg = self._table(name)
         shape = np.shape(ids)
         flat = rows_mod.as_ids(ids)
-        uniq, inv, reqs = rows_mod.read_plan(name, flat, self.partitions)
+        uniq, inv, reqs = rows_mod.read_plan(name, flat, self.partitions, cfg["dim"] * (
+            8 if cfg["dtype"] == "float64" else 4))
         futs = []
         for q, _ in reqs:
             fut: Future = Future()

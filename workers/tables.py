@@ -11,6 +11,7 @@ import numpy as np
 from gradbus.codecs.partition import row_partitions, split_row_key
 
 MAX_IDS_PER_READ = 1 << 18       # ids in one ROWS request (the header stays well under its cap)
+MAX_READ_BYTES = 32 << 20        # ... and row bytes in its replies (heartbeats queue behind them)
 
 
 def as_ids(ids) -> np.ndarray:
@@ -43,14 +44,15 @@ def by_partition(name: str, ids: np.ndarray, partitions: int):
         yield int(sp[a]), order[a:b]
 
 
-def read_plan(name: str, ids: np.ndarray, partitions: int):
+def read_plan(name: str, ids: np.ndarray, partitions: int, row_bytes: int = 4):
     """The unique ids to read, the inverse map back to ``ids``, and the requests: a list of
     ``(q, positions)``: ``q`` the ROWS query ``[[p, id bytes], ...]`` and ``positions`` per
-    entry the indices into the unique ids it covers."""
+    entry the indices into the unique ids it covers. ``row_bytes``: the size of one row."""
     uniq, inv = np.unique(ids, return_inverse=True)
+    most = max(1, min(MAX_IDS_PER_READ, MAX_READ_BYTES // max(1, row_bytes)))
     reqs, q, pos, n = [], [], [], 0
     for p, where in by_partition(name, uniq, partitions):
-        if n and n + len(where) > MAX_IDS_PER_READ:
+        if n and n + len(where) > most:
             reqs.append((q, pos))
             q, pos, n = [], [], 0
         q.append([p, uniq[where].tobytes()])

@@ -41,6 +41,8 @@ DEDUPE_WINDOW = 100_000          # (client, msg_id) pairs remembered per client
 MAX_BLOCKS_PER_TENSOR = 1 << 20  # an INIT asking for more blocks is refused (TOO_LARGE)
 MAX_PARAM_BYTES = 1 << 40        # one parameter tensor above this is refused (TOO_LARGE)
 MAX_SYNCS = 32                   # partitions catching up on standbys at once ...
+MOVE_PACE = 1.0                  # after a move of T seconds, the next waits MOVE_PACE * T:
+                                 # moving uses at most about half of the shards' time
 MAX_SYNC_BYTES = 64 << 20        # ... and their bytes (one partition, however large, may go):
                                  # a state in transit delays the heartbeats behind it
 ALL = wire.ACKS_ALL
@@ -205,6 +207,7 @@ class BrokerCore:
         import time as _time
         self.wall = wall_clock or _time.time
         self.moves: dict[int, dict] = {}
+        self.next_move_at = 0.0          # moves are paced (MOVE_PACE)
         self.move_log: list[dict] = []
         self.auto_rebalance = auto_rebalance
         self.rebalance_wanted = False
@@ -216,6 +219,9 @@ class BrokerCore:
         self.table_version = 0
         self.seq = [0] * partitions
         self.published_seq: dict[int, int] = {}   # p -> last seq whose UPDATE went out on events
+        # A moved primary still publishes the batches it was sent as primary: p -> (its id,
+        # the last such seq). Subscribers then see no gap, and re-fetch nothing.
+        self.handover: dict[int, tuple[str, int, float]] = {}     # ... (id, seq, since)
         self.catalog: dict[str, Tensor] = {}
         self.tables: dict[str, Table] = {}
         self.shards: dict[str, ShardInfo] = {}
@@ -1207,6 +1213,14 @@ class BrokerCore:
             pub = frames[pos:pos + 1 + n] if n >= 0 else None
             pos += 1 + n if n >= 0 else 0
             primary = s.id == self.owners[p]
+            ho = self.handover.get(p)
+            if ho is not None and ho[0] == s.id and not primary and s.id not in self.standbys[p]:
+                if seq <= ho[1] and pub is not None:     # sent to it as the primary
+                    actions.append((PUB, [wire.topic_partition(p), *pub]))
+                    self.published_seq[p] = max(seq, self.published_seq.get(p, 0))
+                if seq >= ho[1]:
+                    del self.handover[p]
+                continue
             if not primary and s.id not in self.standbys[p]:
                 if s.id not in self.syncing.get(p, ()):
                     self.errors[Code.FENCED.value] += 1   # not a replica of p (any more)
@@ -1331,11 +1345,10 @@ class BrokerCore:
             self.standbys[p].remove(dst)
             self.owners[p] = dst
             self.epochs[p] += 1
-            # Batches up to the synced seq that the old primary had not yet reported are not
-            # published by anyone (its APPLIED now counts as fenced, the new one applied them
-            # while catching up): name that seq in heartbeats so subscribers re-snapshot.
-            if synced_seq > self.published_seq.get(p, 0):
-                self.published_seq[p] = synced_seq
+            # Every batch sent so far names the old primary as its publisher (the new one
+            # applies them silently): the old one still publishes those it has not reported.
+            if self.seq[p] > self.published_seq.get(p, 0):
+                self.handover[p] = (src, self.seq[p], now)
         elif src in self.standbys[p]:
             self.standbys[p].remove(src)
         else:
@@ -1354,6 +1367,7 @@ class BrokerCore:
         if old.alive:
             actions.append((BACK, old.identity, [wire.pack(wire.DROP, ps=[p])]))
         self.counters["moves"] += 1
+        self.next_move_at = max(self.next_move_at, now + MOVE_PACE * (now - mv["since"]))
         self.move_log.append({"p": p, "from": src, "to": dst, "bytes": self.pbytes[p],
                               "seconds": round(now - mv["since"], 3), "at": now})
         del self.move_log[:-256]
@@ -1377,7 +1391,7 @@ class BrokerCore:
         the gap (so plans converge and never oscillate)."""
         actions = []
         targets = [x for x in self.shards.values() if x.alive and x.id not in self.draining]
-        if not targets:
+        if not targets or now < self.next_move_at:
             return actions
         for sid in sorted(self.draining):
             src = self.shards[sid]
@@ -1417,6 +1431,15 @@ class BrokerCore:
         if not moved and not self.moves:
             self.rebalance_wanted = False     # balanced
         return actions
+
+    def _end_handovers(self, which) -> None:
+        """Give up on moved primaries' last publishes (``which(handover)`` true): heartbeats
+        name the seq they were to reach, so subscribers that missed some re-snapshot."""
+        for p, ho in list(self.handover.items()):
+            if which(ho):
+                del self.handover[p]
+                if ho[1] > self.published_seq.get(p, 0):
+                    self.published_seq[p] = ho[1]
 
     def _sync_room(self, p: int) -> bool:
         """Whether another copy of partition p may start catching up now: fewer than
@@ -1518,6 +1541,7 @@ class BrokerCore:
         self.counters["shards_lost"] += 1
         actions = []
         err = (Code.SHARD_UNAVAILABLE.value, f"shard {s.id} died before applying ({why})")
+        self._end_handovers(lambda ho: ho[0] == s.id)
         for p in range(self.P):
             if self.syncing.get(p, {}).pop(s.id, None) is not None:
                 s.partitions.discard(p)
@@ -1626,6 +1650,8 @@ class BrokerCore:
         for s in list(self.shards.values()):
             if s.alive and now - s.last_seen > deadline:
                 actions += self._shard_dead(s, now, f"silent {now - s.last_seen:.2f}s")
+        if self.handover:      # a moved primary that never reported its last batches
+            self._end_handovers(lambda ho: now - ho[2] > deadline)
         for ident, c in list(self.clients.items()):
             if now - c.last_seen > self.hb_interval * self.client_liveness and not any(
                     ref[0] == ident for ref in self.pending):

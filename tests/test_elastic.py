@@ -9,6 +9,7 @@ import numpy as np
 import gradbus
 from gradbus import admin
 from gradbus.codecs import wire
+from gradbus.codecs.errors import Code
 from gradbus.shards.core import ShardCore
 
 from .conftest import wait_for
@@ -208,3 +209,35 @@ def test_partitions_catch_up_a_bounded_number_of_bytes_at_a_time(monkeypatch):
     assert b.counters["moves"] > len(first) and not b.moves
     assert abs(b.shards["s0"].bytes - b.shards["s1"].bytes) <= max(b.pbytes)
     np.testing.assert_array_equal(_value(rig, layout), np.zeros(1024, np.float32))
+
+
+def test_a_moved_primary_still_publishes_what_it_was_sent_so_subscribers_see_no_gap():
+    """The new copy catches up and takes over while the old primary is still applying the
+    batches it was sent as primary: it publishes them after the flip, so the partition's
+    updates reach subscribers with every seq, in order (nobody re-fetches the partition)."""
+    rig = RepRig(("s0",))
+    layout = _tensor(rig)
+    for m in range(2, 4):
+        rig.client(b"c", push_msg(m, layout, np.ones(64, np.float32)))
+    rig.shards["s1"] = ShardCore("s1")
+    rig.register("s1")
+    rig.intercept = lambda sid, kind: sid == "s1" and kind == "state"   # catching up
+    rig.tick(0.01)
+    b = rig.broker
+    moving = set(b.moves)
+    assert moving
+    rig.intercept = lambda sid, kind: (sid, kind) in (("s1", "state"), ("s0", "batch"))
+    for m in range(4, 7):                           # s0 falls behind on these
+        rig.client(b"c", push_msg(m, layout, np.ones(64, np.float32)))
+    rig.release("s1")                               # s1 installs, applies, is in sync
+    assert all(b.owners[p] == "s1" for p in moving)
+    assert set(b.handover) == moving                # flipped before s0 reported
+    rig.intercept = None
+    rig.release("s0")
+    rig.tick(0.01)
+    assert not b.handover and not b.errors.get(Code.FENCED.value)
+    for p in moving:
+        seqs = [unpack(m[1])["seq"] for m in rig.published if m[0] == wire.topic_partition(p)]
+        assert seqs == list(range(1, b.seq[p] + 1)), (p, seqs)   # every seq, in order
+        assert b.published_seq[p] == b.seq[p]
+    np.testing.assert_array_equal(_value(rig, layout), -5 * 0.5 * np.ones(64, np.float32))

@@ -43,6 +43,8 @@ MAX_PARAM_BYTES = 1 << 40        # one parameter tensor above this is refused (T
 MAX_SYNCS = 32                   # partitions catching up on standbys at once ...
 MOVE_PACE = 1.0                  # after a move of T seconds, the next waits MOVE_PACE * T:
                                  # moving uses at most about half of the shards' time
+RATE_TAU = 10.0                  # seconds: time constant of a partition's update rate
+MIN_GAIN = 1e-3                  # a rebalance move must lower the imbalance at least this much
 MAX_SYNC_BYTES = 64 << 20        # ... and their bytes (one partition, however large, may go):
                                  # a state in transit delays the heartbeats behind it
 ALL = wire.ACKS_ALL
@@ -191,6 +193,8 @@ class BrokerCore:
         self.standbys: list[list[str]] = [[] for _ in range(partitions)]  # in-sync standbys
         self.syncing: dict[int, dict[str, float]] = defaultdict(dict)  # p -> {shard: since}
         self.pbytes = [0] * partitions                               # parameter bytes per p
+        self.prate = [0.0] * partitions     # gradients per second into p (decaying, RATE_TAU)
+        self.prate_at = [0.0] * partitions
         self.failovers: list[dict] = []                              # the most recent ones
         # Partition moves (rebalance, drain): p -> {"from", "to", "since"}; the copy catches up
         # like a standby, then takes the place of "from" (the primary's with a new epoch).
@@ -865,6 +869,8 @@ class BrokerCore:
                     refs.append(ref)
                 header_parts.append({"p": p, "seq": self.seq[p], "epoch": self.epochs[p],
                                      "o": primary, "e": ents})
+                self.prate[p] = self._rate(p, now) + len(ents) / RATE_TAU
+                self.prate_at[p] = now
                 self.h_batch.observe(len(ents))
                 self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys})
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
@@ -1385,14 +1391,55 @@ class BrokerCore:
         self.counters["shards_drained"] += 1
         return [(BACK, s.identity, [wire.pack(wire.STOP)])] if s.alive else []
 
+    def _rate(self, p: int, now: float) -> float:
+        """Partition p's update rate (gradients per second, exponentially weighted)."""
+        return self.prate[p] * math.exp(-max(0.0, now - self.prate_at[p]) / RATE_TAU)
+
+    def _loads(self, now: float) -> tuple[dict, dict]:
+        """Per partition ``(share of all parameter bytes, share of all updates per second)``,
+        and per shard the sums over its copies (a copy moving away counts where it goes)."""
+        rates = [self._rate(p, now) for p in range(self.P)]
+        tb, tr = sum(self.pbytes), sum(rates)
+        w = {p: (self.pbytes[p] / tb if tb else 0.0, rates[p] / tr if tr else 0.0)
+             for p in range(self.P) if self.owners[p] is not None}
+        leaving = {(mv["from"], p) for p, mv in self.moves.items()}
+        load = {}
+        for s in self.shards.values():
+            held = [w[p] for p in s.partitions if (s.id, p) not in leaving and p in w]
+            load[s.id] = [sum(x[0] for x in held), sum(x[1] for x in held)]
+        return w, load
+
+    def _best_move(self, w: dict, load: dict, targets: list):
+        """The move that most lowers the sum over shards of (bytes share)^2 + (rate share)^2,
+        from one of the two most loaded shards to one of the two least: ``(p, src, dst)``,
+        or None when no move lowers it by more than MIN_GAIN."""
+        order = sorted(targets, key=lambda x: (sum(load[x.id]), x.id))
+        best, gain = None, -MIN_GAIN
+        for s in order[-2:]:
+            bs, rs = load[s.id]
+            for p in s.partitions:
+                if p in self.moves or p in self.syncing or p not in w or not self._live(
+                        self.owners[p]):
+                    continue
+                b, r = w[p]
+                for t in order[:2]:
+                    if t is s or self._holds(t.id, p):
+                        continue
+                    bt, rt = load[t.id]
+                    d = 2 * b * (b + bt - bs) + 2 * r * (r + rt - rs)
+                    if d < gain:
+                        best, gain = (p, s, t), d
+        return best
+
     def _plan(self, now: float) -> list:
-        """Start moves while slots are free: everything off draining shards first, then from
-        the shard holding most bytes to the one holding fewest, each move only if it narrows
-        the gap (so plans converge and never oscillate)."""
+        """Start moves while catch-ups may: everything off draining shards first, then from
+        the most loaded shard to the least (load: bytes and update rate), each move only if
+        it narrows the gap (so plans converge and never oscillate)."""
         actions = []
         targets = [x for x in self.shards.values() if x.alive and x.id not in self.draining]
         if not targets or now < self.next_move_at:
             return actions
+        w, load = self._loads(now)
         for sid in sorted(self.draining):
             src = self.shards[sid]
             for p in sorted(src.partitions):
@@ -1406,27 +1453,24 @@ class BrokerCore:
                     if sid in self.standbys[p]:
                         actions += self._release_standby(p, src)
                     continue
-                dst = min(cands, key=lambda x: (x.bytes, x.id))
+                dst = min(cands, key=lambda x: (sum(load[x.id]), x.id))
                 actions += self._start_move(p, sid, dst.id, now)
+                for i in (0, 1):
+                    load[dst.id][i] += w.get(p, (0.0, 0.0))[i]
             actions += self._maybe_drained(src)
         if not (self.rebalance_wanted and len(targets) > 1):
             return actions
         moved = False
         while True:
-            heavy = max(targets, key=lambda x: (x.bytes, x.id))
-            light = min(targets, key=lambda x: (x.bytes, x.id))
-            gap = heavy.bytes - light.bytes
-            best = None
-            for p in heavy.partitions:
-                size = self.pbytes[p]
-                if (0 < size < gap and p not in self.moves and p not in self.syncing
-                        and not self._holds(light.id, p) and self._live(self.owners[p])
-                        and (best is None or size > self.pbytes[best])):
-                    best = p
-            if best is None or not self._sync_room(best):
-                moved = moved or best is not None     # waits for room, not balanced yet
+            mv = self._best_move(w, load, targets)
+            if mv is None or not self._sync_room(mv[0]):
+                moved = moved or mv is not None     # waits for room, not balanced yet
                 break
-            actions += self._start_move(best, heavy.id, light.id, now)
+            p, src, dst = mv
+            actions += self._start_move(p, src.id, dst.id, now)
+            for i in (0, 1):
+                load[src.id][i] -= w[p][i]
+                load[dst.id][i] += w[p][i]
             moved = True
         if not moved and not self.moves:
             self.rebalance_wanted = False     # balanced
@@ -1684,13 +1728,16 @@ class BrokerCore:
     # ------------------------------------------------------------------ status
     def status(self, now: float) -> dict:
         shards = []
+        _, load = self._loads(now)
         for s in sorted(self.shards.values(), key=lambda s: s.id):
             primary = sum(1 for o in self.owners if o == s.id)
             shards.append({"id": s.id, "alive": s.alive, "partitions": len(s.partitions),
                            "primary": primary, "standby": sum(
                                1 for sb in self.standbys if s.id in sb),
                            "syncing": sum(1 for v in self.syncing.values() if s.id in v),
-                           "bytes": s.bytes, "inflight": s.inflight,
+                           "bytes": s.bytes,
+                           "load": [round(x, 4) for x in load.get(s.id, (0.0, 0.0))],
+                           "inflight": s.inflight,
                            "last_seen_s": round(now - s.last_seen, 3), "info": s.info})
         workers = [{"id": c.identity.hex(), "pushes": c.pushes, "errors": dict(c.errors),
                     "pushes_per_s": round(c.rate * math.exp(-max(0.0, now - c.rate_at) / 5.0),
@@ -1788,6 +1835,8 @@ class BrokerCore:
         return {"owners": [o or "" for o in self.owners], "standbys": self.standbys,
                 "syncing": [sorted(self.syncing.get(p, ())) for p in range(self.P)],
                 "epochs": self.epochs, "seqs": self.seq, "down": self._down(),
+                "bytes": self.pbytes,
+                "rates": [round(self._rate(p, self.now), 3) for p in range(self.P)],
                 "version": self.table_version}
 
     def validate_state(self) -> None:

@@ -512,17 +512,20 @@ def partitions(broker_url, as_json, show_all, timeout, curve):
     except GradbusError as e:
         raise click.ClickException(str(e))
     rows = [{"p": p, "primary": o, "standbys": t["standbys"][p], "syncing": t["syncing"][p],
-             "epoch": t["epochs"][p], "seq": t["seqs"][p], "down": p in t["down"]}
+             "epoch": t["epochs"][p], "seq": t["seqs"][p], "down": p in t["down"],
+             "bytes": t["bytes"][p], "updates_per_s": t["rates"][p]}
             for p, o in enumerate(t["owners"]) if o or show_all]
     if as_json:
         click.echo(json.dumps({"version": t["version"], "partitions": rows}, indent=2))
         return
-    click.echo(f"{'PARTITION':>9}  {'PRIMARY':<16}{'STANDBYS':<28}{'EPOCH':>6}{'SEQ':>10}  STATE")
+    click.echo(f"{'PARTITION':>9}  {'PRIMARY':<16}{'STANDBYS':<28}{'EPOCH':>6}{'SEQ':>10}"
+               f"{'BYTES':>10}{'UPD/S':>8}  STATE")
     for r in rows:
         state = "DOWN" if r["down"] else ("syncing " + ",".join(r["syncing"]) if r["syncing"]
                                           else "ok")
         click.echo(f"{r['p']:>9}  {r['primary'] or '-':<16}{','.join(r['standbys']) or '-':<28}"
-                   f"{r['epoch']:>6}{r['seq']:>10}  {state}")
+                   f"{r['epoch']:>6}{r['seq']:>10}{_fmt_bytes(r['bytes']):>10}"
+                   f"{r['updates_per_s']:>8.1f}  {state}")
 
 
 def _fmt_bytes(n: float) -> str:

@@ -241,3 +241,46 @@ def test_a_moved_primary_still_publishes_what_it_was_sent_so_subscribers_see_no_
         assert seqs == list(range(1, b.seq[p] + 1)), (p, seqs)   # every seq, in order
         assert b.published_seq[p] == b.seq[p]
     np.testing.assert_array_equal(_value(rig, layout), -5 * 0.5 * np.ones(64, np.float32))
+
+
+def _init_blocks(rig, msg, name, n, block):
+    from gradbus.codecs.partition import TensorLayout
+    layout = TensorLayout(name, "float32", (n,), block)
+    descs, bufs = [], []
+    for i, key in enumerate(layout.block_keys()):
+        d, buf = wire.encode_tensor(key, np.zeros(layout.block_range(i)[1]
+                                                  - layout.block_range(i)[0], np.float32))
+        descs.append(d)
+        bufs.append(bytes(buf))
+    rig.client(b"c", [wire.pack(wire.INIT, descs, msg=msg, opt={"name": "sgd", "lr": 0.1},
+                                tensors=[{**layout.to_wire(), "init": {"name": "given"}}]),
+                      *bufs])
+    return layout
+
+
+def test_rebalance_weighs_update_rate_as_well_as_bytes():
+    """Big idle partitions and small hot ones on one shard: a new shard gets a share of both
+    (by bytes alone the hot ones, a few bytes each, would all stay where they are; by a sum of
+    the two, all the big ones could go one way and all the hot ones stay)."""
+    from gradbus.codecs.partition import partition_of
+    rig = RepRig(("s0",))
+    big = _init_blocks(rig, 1, "big", 4 * 4096, 4096)      # 4 blocks of 16 KiB
+    hot = _init_blocks(rig, 2, "hot", 4 * 4, 4)            # 4 blocks of 16 B
+    pb = {partition_of(k, 16) for k in big.block_keys()}
+    ph = {partition_of(k, 16) for k in hot.block_keys()}
+    assert len(ph - pb) >= 2, (pb, ph)
+    for m in range(3, 40):
+        rig.client(b"c", push_msg(m, hot, np.ones(16, np.float32)))
+        rig.tick(0.05)
+    rig.shards["s1"] = ShardCore("s1")
+    rig.register("s1")
+    for _ in range(60):
+        rig.tick(0.05)
+        if not rig.broker.moves and not rig.broker.rebalance_wanted:
+            break
+    b = rig.broker
+    on = {sid: {p for p in range(16) if b.owners[p] == sid} for sid in ("s0", "s1")}
+    assert all(on[sid] & (ph - pb) for sid in on), (on, ph - pb)     # the hot ones are split
+    assert all(on[sid] & pb for sid in on), (on, pb)                 # and so are the big ones
+    loads = {s["id"]: s["load"] for s in b.status(rig.now)["shards"]}   # [bytes, rate] shares
+    assert all(0.2 < x < 0.8 for sid in loads for x in loads[sid]), loads

@@ -272,12 +272,7 @@ def test_rebalance_weighs_update_rate_as_well_as_bytes():
     for m in range(3, 40):
         rig.client(b"c", push_msg(m, hot, np.ones(16, np.float32)))
         rig.tick(0.05)
-    rig.shards["s1"] = ShardCore("s1")
-    rig.register("s1")
-    for _ in range(60):
-        rig.tick(0.05)
-        if not rig.broker.moves and not rig.broker.rebalance_wanted:
-            break
+    rig.join("s1")
     b = rig.broker
     on = {sid: {p for p in range(16) if b.owners[p] == sid} for sid in ("s0", "s1")}
     assert all(on[sid] & (ph - pb) for sid in on), (on, ph - pb)     # the hot ones are split

@@ -51,6 +51,16 @@ class RepRig(Rig):
         self.deliver(self.broker.on_tick(self.now))
         self.deliver(self.broker.flush(self.now))
 
+    def join(self, sid, rounds=60, dt=0.05):
+        """A new shard registers; tick until the moves it started are done."""
+        self.shards[sid] = ShardCore(sid)
+        self.register(sid)
+        for _ in range(rounds):
+            self.tick(dt)
+            b = self.broker
+            if not b.moves and not b.syncing and not b.rebalance_wanted:
+                return
+
     def digests(self, p):
         return {sid: sc.partition_digest(p) for sid, sc in self.shards.items()
                 if p in sc.store.partitions}

@@ -87,6 +87,7 @@ class Pending:
     reply: dict = field(default_factory=dict)
     acks: int = 1                  # 1: settled when the primary applied; ALL: every replica
     t0: float = 0.0                # when the broker received it
+    tables: tuple = ()             # the tables a push carries rows of
 
 
 @dataclass
@@ -119,10 +120,17 @@ class Table:
     cfg: dict                                       # specs.table_from_wire
     versions: dict = field(default_factory=dict)    # p -> row pushes applied there
     rows: dict = field(default_factory=dict)        # p -> [rows, bytes] the primary reported
+    applied: int = 0     # pushes to the table applied since this broker started ...
+    base: int = 0        # ... on top of this many (learned from the shards after a restart)
 
     @property
     def version(self) -> int:
-        return sum(self.versions.values())
+        """Pushes applied to the table (what staleness counts)."""
+        return self.base + self.applied
+
+    @property
+    def cons(self) -> dict:
+        return self.cfg.get("cons") or specs.consistency_from_wire(None)
 
 
 #: counters exported as ``gradbus_broker_<name>_total``: (name, counters key, help)
@@ -481,6 +489,7 @@ class BrokerCore:
                 self._live_owner(d.key, p)
                 routed.append((p, d, fr, tbl.name))
                 rows.setdefault(tbl.name, []).append((p, d.row_ids()))
+                tensors[tbl.name] = tbl
                 decoded += d.shape[0] * d.shape[1] * (8 if d.dtype == "float64" else 4)
                 continue
             t, idx = self._block(d.key)
@@ -575,7 +584,9 @@ class BrokerCore:
         msg = h["msg"]
         ref = (client.identity, msg)
         self.pending[ref] = Pending(client.identity, msg, "push", len(routed),
-                                    acks=ALL if h["acks"] == ALL else 1, t0=self.now)
+                                    acks=ALL if h["acks"] == ALL else 1, t0=self.now,
+                                    tables=tuple({n for (_, d, _, n) in routed
+                                                  if d.ids is not None}))
         ts = None
         for (p, d, fr, name), raw in zip(routed, h["t"]):
             entry = {"op": "push", "c": client.identity, "m": msg}
@@ -784,7 +795,7 @@ class BrokerCore:
         for sid, qs in by_shard.items():
             self.shards[sid].queued_snapshots.append(
                 (client.identity, req, [row_key(tbl.name, p) for p, _ in qs], len(by_shard),
-                 {"table": tbl.name, "q": qs}))
+                 {"table": tbl.name, "q": qs, "tv": tbl.version}))
         return []
 
     def _catalog(self, client: ClientInfo, h: dict) -> list:
@@ -1155,8 +1166,10 @@ class BrokerCore:
             if isinstance(b, list) and len(b) == 2 and isinstance(b[1], int):
                 name_p = split_row_key(b[0]) if isinstance(b[0], str) else None
                 if name_p is not None:
-                    if name_p[0] in self.tables:
-                        self.tables[name_p[0]].versions.setdefault(name_p[1], b[1])
+                    tbl = self.tables.get(name_p[0])
+                    if tbl is not None:      # pushes applied: at least the most any part saw
+                        tbl.versions.setdefault(name_p[1], b[1])
+                        tbl.base = max(tbl.base, b[1] - tbl.applied)
                     continue
                 try:
                     t, idx = self._block(b[0])
@@ -1569,6 +1582,9 @@ class BrokerCore:
             reply = [wire.error(code, message, msg=pend.msg)]
         elif pend.kind == "push":
             self.counters["pushes_applied"] += 1
+            for name in pend.tables:
+                if name in self.tables:
+                    self.tables[name].applied += 1
             self.h_ack.observe(self.now - pend.t0)
             if client is not None:
                 self._remember(client, pend.msg, ACKED)

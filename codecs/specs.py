@@ -215,8 +215,14 @@ def table_from_wire(d) -> dict:
     mc = d.get("min_count", 1)
     if isinstance(mc, bool) or not isinstance(mc, int) or not 1 <= mc < 2**31:
         raise WireError(Code.BAD_FIELD, f"min_count must be a positive int, got {mc!r}")
+    try:
+        cons = consistency_from_wire(d.get("cons"))
+    except ValueError as e:
+        raise WireError(Code.BAD_FIELD, f"table consistency: {e}") from None
+    if cons["mode"] == "bsp":
+        raise WireError(Code.BAD_FIELD, "tables take async or ssp:S consistency, not bsp")
     return {"dim": dim, "dtype": dtype, "init": dict(init), "opt": spec.to_wire(),
-            "expiry": expiry, "min_count": mc}
+            "expiry": expiry, "min_count": mc, "cons": cons}
 
 
 CONSISTENCY_POLICIES = ("refuse", "delay")

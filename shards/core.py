@@ -240,6 +240,9 @@ class ShardCore:
         if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
             self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
             return
+        w = ent.get("w")
+        if isinstance(w, float) and 0.0 < w < 1.0:    # staleness-scaled step
+            vals = vals * np.asarray(w, dtype=vals.dtype)
         ts = ent.get("ts", 0.0)
         rsums.setdefault(desc.key, []).append(
             (desc.row_ids(), vals, float(ts) if isinstance(ts, (int, float)) else 0.0))
@@ -332,7 +335,7 @@ class ShardCore:
                                         "raw", tbl.version)
             descs.append(d)
             bufs.append(buf)
-        fields = {k: h[k] for k in ("req", "client", "of") if k in h}
+        fields = {k: h[k] for k in ("req", "client", "of", "tv") if k in h}
         return [wire.pack(wire.ROWS_REPLY, descs, missing=missing, **fields), *bufs]
 
     # -- replication: a standby's catch-up ----------------------------------------------------

@@ -236,3 +236,30 @@ def test_sdk_tables_end_to_end(make_cluster):
             a.init_table("emb", 4)                                    # other dim
         with pytest.raises(ValueError):
             a.init_table("bad", 4, optimizer=gradbus.Adam(lr=0.1))
+
+
+def test_bounded_staleness_for_tables(make_cluster):
+    """ssp:S on a table: a push of rows read more than S pushes ago is refused, and with
+    scale_lr a stale push is scaled by 1/staleness; staleness counts pushes to the table."""
+    cl = make_cluster(shards=2, processes=False, partitions=P)
+    with gradbus.connect(cl.url) as a, gradbus.connect(cl.url) as b:
+        a.init_table("ssp", 2, gradbus.Zeros(), gradbus.SGD(lr=1.0), consistency="ssp:5",
+                     scale_lr=True)
+        a.init_table("strict", 2, gradbus.Zeros(), gradbus.SGD(lr=1.0), consistency="ssp:2")
+        ids = [1, 2, 3]
+        a.pull_rows("ssp", ids)
+        a.pull_rows("strict", ids)
+        for _ in range(4):                     # b reads before each push: never stale
+            for name in ("ssp", "strict"):
+                b.pull_rows(name, ids)
+                b.push_rows(name, ids, np.ones((3, 2))).result(10)
+        a.push_rows("ssp", ids, np.ones((3, 2))).result(10)      # 4 behind: scaled by 1/4
+        np.testing.assert_allclose(b.pull_rows("ssp", ids), np.full((3, 2), -4.25))
+        with pytest.raises(gradbus.StaleError):
+            a.push_rows("strict", ids, np.ones((3, 2))).result(10)
+        np.testing.assert_array_equal(b.pull_rows("strict", ids), np.full((3, 2), -4.0))
+        st = a.status()
+        assert {t["name"]: t["version"] for t in st["tables"]} == {"ssp": 5, "strict": 4}
+        assert st["staleness"]["count"] >= 10
+        with pytest.raises(ValueError):
+            a.init_table("bsp", 2, consistency="bsp:2")

@@ -365,8 +365,8 @@ class Agent(threading.Thread):
         descs = wire.parse_tensors(h, frames, self.c.max_tensor_bytes)
         got.extend((d, wire.decode_tensor(d, f, self.c.max_tensor_bytes))
                    for d, f in zip(descs, frames))
-        got.append(None)     # one marker per reply
-        if sum(1 for x in got if x is None) < int(h.get("of", 1)):
+        got.append(h.get("tv") if isinstance(h.get("tv"), int) else -1)   # one per reply
+        if sum(1 for x in got if not isinstance(x, tuple)) < int(h.get("of", 1)):
             return
         del self.row_parts[req]
         fut = self.futures.pop(("req", req), None)
@@ -374,8 +374,9 @@ class Agent(threading.Thread):
             if h.get("missing"):
                 fut.set_exception(error_from(Code.UNKNOWN_KEY.value, f"partitions "
                                              f"{h['missing'][:8]} of the table are not held"))
-            else:
-                fut.set_result([x for x in got if x is not None])
+            else:     # the rows, and the table's version when the broker sent the read
+                fut.set_result(([x for x in got if isinstance(x, tuple)],
+                                min(x for x in got if not isinstance(x, tuple))))
 
     # -- events on the SUB ------------------------------------------------------------
     def _on_event(self, frames) -> None:
@@ -815,7 +816,8 @@ class Client:
     def init_table(self, name: str, dim: int, initializer: specs.Initializer | None = None,
                    optimizer: specs.Optimizer | None = None, *, dtype: str = "float32",
                    expiry: float | None = None, min_count: int = 1,
-                   timeout: float | None = None) -> None:
+                   consistency: str | None = None, stale_policy: str = "refuse",
+                   scale_lr: bool = False, timeout: float | None = None) -> None:
         """Create an embedding table (a no-op when it exists with the same dim and dtype).
 
         Rows are int64 ids, each a vector of ``dim``; a row is created by the first push that
@@ -825,14 +827,19 @@ class Client:
         ``optimizer``: ``SGD`` (no momentum), ``Adagrad`` (default, lr 0.05) or ``FTRL``.
         ``expiry``: seconds after which a row no push touched is dropped (off by default).
         ``min_count``: a row is created only once ``min_count`` pushes carried its id; the
-        gradients before that are dropped (off by default)."""
+        gradients before that are dropped (off by default). ``consistency``: ``"async"``
+        (default) or ``"ssp:S"``: a push of rows read more than S table versions (pushes
+        applied to the table) ago fails with StaleError; ``scale_lr`` scales each by
+        1/staleness. Reads are always current, so ``stale_policy="delay"`` never waits."""
         if not isinstance(name, str) or not name or "#" in name:
             raise ValueError(f"table names must be non-empty strings without '#', got {name!r}")
         init = (initializer or specs.Normal(std=0.01)).to_wire()
         opt = (optimizer or specs.Adagrad(lr=0.05)).to_wire()
         try:
+            cons = specs.parse_consistency(consistency, stale_policy, scale_lr)
             cfg = specs.table_from_wire({"dim": dim, "dtype": dtype, "init": init, "opt": opt,
-                                         "expiry": float(expiry or 0.0), "min_count": min_count})
+                                         "expiry": float(expiry or 0.0), "min_count": min_count,
+                                         "cons": cons})
         except WireError as e:
             raise ValueError(f"table {name}: {e.args[0]}") from None
         fut: Future = Future()
@@ -872,7 +879,10 @@ class Client:
             futs.append(fut)
         t = self.timeout if timeout is None else timeout
         replies = [f.result(t) for f in futs]
-        out = rows_mod.assemble(name, uniq, reqs, replies, cfg["dim"], cfg["dtype"])
+        if replies:
+            self._pulled[name] = min(tv for _, tv in replies)
+        out = rows_mod.assemble(name, uniq, reqs, [r for r, _ in replies], cfg["dim"],
+                                cfg["dtype"])
         self.stats["rows_read"] += len(uniq)
         return out[inv].reshape(*shape, cfg["dim"])
 
@@ -910,7 +920,9 @@ class Client:
             d["ids"] = uniq[where].tobytes()
             descs.append(d)
             bufs.append(buf)
-        fut = self._submit_push(descs, bufs, acks, timeout, {})
+        ssp = cfg["cons"]["mode"] != "async"      # say which version the rows were read at
+        fut = self._submit_push(descs, bufs, acks, timeout,
+                                {"ver": max(0, self._pulled.get(name, 0))} if ssp else {})
         self.stats["rows_pushed"] += len(uniq)
         self.stats["push_raw_bytes"] += summed.nbytes
         return fut

@@ -38,6 +38,7 @@ SHARD_CREDIT = 4                 # batches in flight to one shard before the bro
 MAX_BATCH_BYTES = 64 << 20       # one batch message to a shard carries at most this much tensor data
 MAX_PENDING_BYTES = 512 << 20    # above this the loop stops reading the frontend (back-pressure)
 DEDUPE_WINDOW = 100_000          # (client, msg_id) pairs remembered per client
+MAX_PARKED_READS = 10_000        # table reads waiting for a bsp step to be applied
 MAX_BLOCKS_PER_TENSOR = 1 << 20  # an INIT asking for more blocks is refused (TOO_LARGE)
 MAX_PARAM_BYTES = 1 << 40        # one parameter tensor above this is refused (TOO_LARGE)
 MAX_SYNCS = 32                   # partitions catching up on standbys at once ...
@@ -88,6 +89,7 @@ class Pending:
     acks: int = 1                  # 1: settled when the primary applied; ALL: every replica
     t0: float = 0.0                # when the broker received it
     tables: tuple = ()             # the tables a push carries rows of
+    step: bool = False             # released by a bsp barrier
 
 
 @dataclass
@@ -122,6 +124,7 @@ class Table:
     rows: dict = field(default_factory=dict)        # p -> [rows, bytes] the primary reported
     applied: int = 0     # pushes to the table applied since this broker started ...
     base: int = 0        # ... on top of this many (learned from the shards after a restart)
+    stepping: int = 0    # bsp: pushes of released steps not yet applied
 
     @property
     def version(self) -> int:
@@ -243,6 +246,7 @@ class BrokerCore:
         self.pending_bytes = 0
         self.pending: dict[tuple[bytes, int], Pending] = {}
         self.barriers: dict[str, dict] = {}    # bsp tensor -> the step's held pushes
+        self.parked_reads: list = []           # (client, ROWS header) waiting for a bsp step
         self.inflight: dict[tuple[int, int], Batch] = {}             # (p, seq) -> batch
         self.counters: dict[str, int] = defaultdict(int)
         self.errors: dict[str, int] = defaultdict(int)
@@ -576,17 +580,21 @@ class BrokerCore:
                 continue
             del self.barriers[name]
             for client, h, routed, weights in b["held"]:
-                self._enqueue_push(client, h, routed, weights)
+                self._enqueue_push(client, h, routed, weights, step=True)
             self.counters["bsp_steps"] += 1
         return actions
 
-    def _enqueue_push(self, client: ClientInfo, h: dict, routed: list, weights: dict) -> None:
+    def _enqueue_push(self, client: ClientInfo, h: dict, routed: list, weights: dict,
+                      step: bool = False) -> None:
         msg = h["msg"]
         ref = (client.identity, msg)
+        tables = tuple({n for (_, d, _, n) in routed if d.ids is not None})
         self.pending[ref] = Pending(client.identity, msg, "push", len(routed),
                                     acks=ALL if h["acks"] == ALL else 1, t0=self.now,
-                                    tables=tuple({n for (_, d, _, n) in routed
-                                                  if d.ids is not None}))
+                                    tables=tables, step=step)
+        if step:
+            for name in tables:
+                self.tables[name].stepping += 1
         ts = None
         for (p, d, fr, name), raw in zip(routed, h["t"]):
             entry = {"op": "push", "c": client.identity, "m": msg}
@@ -776,10 +784,37 @@ class BrokerCore:
                 self.shards[sid].queued_snapshots.append((client.identity, req, keys, of, None))
         return []
 
+    def _wake_reads(self) -> list:
+        """Forward the parked reads of bsp tables whose step is now applied."""
+        actions, keep = [], []
+        for ident, h in self.parked_reads:
+            tbl = self.tables.get(h["table"])
+            client = self.clients.get(ident)
+            if client is None or tbl is None:
+                continue
+            if tbl.stepping or tbl.version < h["min"]:
+                keep.append((ident, h))
+                continue
+            try:
+                actions += self._rows(client, h)
+            except WireError as e:
+                actions.append(self._err(ident, e.code, str(e.args[0]), req=h["req"]))
+        self.parked_reads = keep
+        return actions
+
     def _rows(self, client: ClientInfo, h: dict) -> list:
         """A read of table rows: ``q`` = [[p, ids], ...]; forwarded to each partition's
-        primary behind any push still queued for it (a client reads its own writes)."""
+        primary behind any push still queued for it (a client reads its own writes). A read
+        of a bsp table with ``min`` waits until the table reached that version and no step
+        is being applied."""
         req, tbl = h["req"], self._table(h["table"])
+        need = h.get("min")
+        if (isinstance(need, int) and tbl.cons["mode"] == "bsp"
+                and (tbl.stepping or tbl.version < need)):
+            if len(self.parked_reads) >= MAX_PARKED_READS:
+                raise WireError(Code.BAD_REQUEST, "too many reads waiting for bsp steps")
+            self.parked_reads.append((client.identity, h))
+            return []
         by_shard: dict[str, list] = defaultdict(list)
         for q in h["q"]:
             if (not isinstance(q, list) or len(q) != 2 or not isinstance(q[1], bytes)
@@ -1574,6 +1609,13 @@ class BrokerCore:
             return []
         del self.pending[ref]
         client = self.clients.get(pend.client)
+        for name in pend.tables:
+            tbl = self.tables.get(name)
+            if tbl is not None:
+                tbl.applied += not pend.error
+                tbl.stepping -= pend.step
+        # a bsp table's step: reads waiting for it may go once it is applied
+        woken = self._wake_reads() if pend.step and self.parked_reads else []
         if pend.error:
             code, message = pend.error
             self.errors[str(code)] += 1
@@ -1582,18 +1624,15 @@ class BrokerCore:
             reply = [wire.error(code, message, msg=pend.msg)]
         elif pend.kind == "push":
             self.counters["pushes_applied"] += 1
-            for name in pend.tables:
-                if name in self.tables:
-                    self.tables[name].applied += 1
             self.h_ack.observe(self.now - pend.t0)
             if client is not None:
                 self._remember(client, pend.msg, ACKED)
-            return [(_ACK, pend.client, pend.msg)]
+            return [(_ACK, pend.client, pend.msg), *woken]
         else:
             reply = [wire.pack(wire.INIT_OK, msg=pend.msg, **pend.reply)]
         if client is not None:
             self._remember(client, pend.msg, reply)
-        return [(FRONT, pend.client, reply)]
+        return [(FRONT, pend.client, reply), *woken]
 
     def _shard_dead(self, s: ShardInfo, now: float, why: str) -> list:
         log.warning("shard %s declared dead (%s)", s.id, why)

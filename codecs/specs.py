@@ -219,8 +219,6 @@ def table_from_wire(d) -> dict:
         cons = consistency_from_wire(d.get("cons"))
     except ValueError as e:
         raise WireError(Code.BAD_FIELD, f"table consistency: {e}") from None
-    if cons["mode"] == "bsp":
-        raise WireError(Code.BAD_FIELD, "tables take async or ssp:S consistency, not bsp")
     return {"dim": dim, "dtype": dtype, "init": dict(init), "opt": spec.to_wire(),
             "expiry": expiry, "min_count": mc, "cons": cons}
 

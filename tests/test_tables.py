@@ -3,6 +3,8 @@ partition, duplicate ids summed, reads that see the reader's own pushes, replica
 checkpoints, a restarted broker, the frequency filter and row expiry."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -262,4 +264,26 @@ def test_bounded_staleness_for_tables(make_cluster):
         assert {t["name"]: t["version"] for t in st["tables"]} == {"ssp": 5, "strict": 4}
         assert st["staleness"]["count"] >= 10
         with pytest.raises(ValueError):
-            a.init_table("bsp", 2, consistency="bsp:2")
+            a.init_table("bad", 2, consistency="bsp:0")
+
+
+def test_bsp_tables_apply_a_step_once_every_worker_pushed_and_reads_wait_for_it(make_cluster):
+    cl = make_cluster(shards=2, processes=False, partitions=P)
+    with gradbus.connect(cl.url) as a, gradbus.connect(cl.url) as b:
+        a.init_table("bsp", 2, gradbus.Zeros(), gradbus.SGD(lr=1.0), consistency="bsp:2")
+        ids = [5, 6]
+        for step in range(1, 3):
+            a.pull_rows("bsp", ids)
+            b.pull_rows("bsp", ids)
+            fa = a.push_rows("bsp", ids, np.ones((2, 2)))
+            with ThreadPoolExecutor(1) as ex:
+                read = ex.submit(a.pull_rows, "bsp", ids)       # waits for the step
+                with pytest.raises(TimeoutError):
+                    fa.result(0.3)                              # held: b has not pushed
+                assert not read.done()
+                b.push_rows("bsp", ids, np.ones((2, 2))).result(10)
+                fa.result(10)
+                np.testing.assert_array_equal(read.result(10), np.full((2, 2), -2.0 * step))
+        with pytest.raises(gradbus.StaleError):             # b's step 2 is over
+            b.push_rows("bsp", ids, np.ones((2, 2))).result(10)
+        assert [t["version"] for t in a.status()["tables"]] == [4]

@@ -830,7 +830,9 @@ class Client:
         gradients before that are dropped (off by default). ``consistency``: ``"async"``
         (default) or ``"ssp:S"``: a push of rows read more than S table versions (pushes
         applied to the table) ago fails with StaleError; ``scale_lr`` scales each by
-        1/staleness. Reads are always current, so ``stale_policy="delay"`` never waits."""
+        1/staleness. Reads are always current, so ``stale_policy="delay"`` never waits.
+        ``"bsp:N"``: a push is applied once N workers' pushes (or every connected worker's)
+        for the step are in, and a read after a push waits until that step is applied."""
         if not isinstance(name, str) or not name or "#" in name:
             raise ValueError(f"table names must be non-empty strings without '#', got {name!r}")
         init = (initializer or specs.Normal(std=0.01)).to_wire()
@@ -868,6 +870,8 @@ class Client:
         flat = rows_mod.as_ids(ids)
         uniq, inv, reqs = rows_mod.read_plan(name, flat, self.partitions, cfg["dim"] * (
             8 if cfg["dtype"] == "float64" else 4))
+        # bsp: after a push, the broker holds the read until the step is applied
+        step = {"min": self._bsp_next[name]} if name in self._bsp_next else {}
         futs = []
         for q, _ in reqs:
             fut: Future = Future()
@@ -875,7 +879,7 @@ class Client:
                 self._check_open()
                 req = next(self._ids)
                 self.agent.submit(("rows", req, [wire.pack(wire.ROWS, req=req, table=name,
-                                                           q=q)], fut))
+                                                           q=q, **step)], fut))
             futs.append(fut)
         t = self.timeout if timeout is None else timeout
         replies = [f.result(t) for f in futs]
@@ -920,9 +924,11 @@ class Client:
             d["ids"] = uniq[where].tobytes()
             descs.append(d)
             bufs.append(buf)
-        ssp = cfg["cons"]["mode"] != "async"      # say which version the rows were read at
-        fut = self._submit_push(descs, bufs, acks, timeout,
-                                {"ver": max(0, self._pulled.get(name, 0))} if ssp else {})
+        modeled = cfg["cons"]["mode"] != "async"    # say which version the rows were read at
+        ver = max(0, self._pulled.get(name, 0))
+        fut = self._submit_push(descs, bufs, acks, timeout, {"ver": ver} if modeled else {})
+        if cfg["cons"]["mode"] == "bsp":
+            self._bsp_next[name] = ver + 1       # the next read waits for the step
         self.stats["rows_pushed"] += len(uniq)
         self.stats["push_raw_bytes"] += summed.nbytes
         return fut

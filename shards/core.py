@@ -475,8 +475,17 @@ class ShardCore:
     # -- introspection -----------------------------------------------------------------------
     def info(self) -> dict:
         return {"keys": len(self.store.blocks), "bytes": self.store.nbytes,
-                "rows": self.store.rows,
+                "rows": self.store.rows, **self._row_stats(),
                 "partitions": len(self.store.partitions), **self.stats}
+
+    def _row_stats(self) -> dict:
+        """Table rows created, expired and filtered (gradients dropped by the frequency
+        filter), over the tables held now."""
+        out = dict.fromkeys(("rows_created", "rows_expired", "rows_filtered"), 0)
+        for tbl in self.store.tables.values():
+            for k in out:
+                out[k] += tbl.stats[k]
+        return out
 
     def metrics(self) -> dict:
         """A snapshot for the Prometheus exporter."""
@@ -496,6 +505,12 @@ class ShardCore:
                                                          self.store.nbytes)
         m["gradbus_shard_table_rows"] = stats.gauge("Embedding table rows held.",
                                                     self.store.rows)
+        rs = self._row_stats()
+        m["gradbus_shard_rows_expired"] = stats.counter(
+            "Table rows dropped by expiry (tables held now).", rs["rows_expired"])
+        m["gradbus_shard_rows_filtered"] = stats.counter(
+            "Row gradients dropped by the frequency filter (tables held now).",
+            rs["rows_filtered"])
         m["gradbus_shard_partitions"] = stats.gauge("Partitions held.",
                                                     len(self.store.partitions))
         m["gradbus_shard_partitions_catching_up"] = stats.gauge(

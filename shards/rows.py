@@ -19,7 +19,8 @@ from itertools import repeat
 
 import numpy as np
 
-MAX_PENDING = 1 << 20      # ids counted by the frequency filter before the oldest are forgotten
+MAX_PENDING = 1 << 16      # ids counted by the frequency filter (per partition) before the
+                           # oldest are forgotten: at most 16M per table over 256 partitions
 MIN_CAPACITY = 16
 INIT_CHUNK = 8192           # elements hashed at a time by row_init
 

@@ -193,6 +193,7 @@ def test_frequency_filter_and_expiry_through_the_shard():
     assert tbl.rows == 2
     rig.client(b"c", rows_push_msg(5, "t", [7], np.ones((1, 2)), 1))   # 98 s later
     assert tbl.rows == 0 and tbl.stats["rows_expired"] == 2
+    assert sc.info()["rows_expired"] == 2 and sc.info()["rows_filtered"] == 3   # 1, 2 and 7
 
 
 def test_sdk_tables_end_to_end(make_cluster):

@@ -65,7 +65,7 @@ class Agent(threading.Thread):
         self.dealer = self.sub = None
         self.futures: dict[tuple[str, int], Future] = {}
         self.snap_parts: dict[int, list] = {}      # req -> [replies...]
-        self.row_parts: dict[int, list] = {}       # req -> [(descs, arrays) per shard reply]
+        self.row_parts: dict[int, dict] = {}       # req -> rows, versions, missing so far
         self.snap_need: dict[int, int] = {}
         self.internal: dict[int, list[str]] = {}   # req -> keys of a re-snapshot with no waiter
         self.retries: list = []                      # (when, keys) re-snapshots to try again
@@ -223,7 +223,7 @@ class Agent(threading.Thread):
         elif op == "rows":             # ("rows", req, frames, future)
             _, req, frames, fut = cmd
             self.futures[("req", req)] = fut
-            self.row_parts[req] = []
+            self.row_parts[req] = {"rows": [], "tv": [], "missing": []}
             self.dealer.send_multipart(frames, copy=False)
         elif op == "stop":
             self.stop_flag = True
@@ -363,20 +363,21 @@ class Agent(threading.Thread):
         if got is None:
             return
         descs = wire.parse_tensors(h, frames, self.c.max_tensor_bytes)
-        got.extend((d, wire.decode_tensor(d, f, self.c.max_tensor_bytes))
-                   for d, f in zip(descs, frames))
-        got.append(h.get("tv") if isinstance(h.get("tv"), int) else -1)   # one per reply
-        if sum(1 for x in got if not isinstance(x, tuple)) < int(h.get("of", 1)):
+        got["rows"].extend((d, wire.decode_tensor(d, f, self.c.max_tensor_bytes))
+                           for d, f in zip(descs, frames))
+        got["tv"].append(h["tv"] if isinstance(h.get("tv"), int) else -1)   # one per reply
+        if isinstance(h.get("missing"), list):
+            got["missing"] += h["missing"]
+        if len(got["tv"]) < int(h.get("of", 1)):
             return
         del self.row_parts[req]
         fut = self.futures.pop(("req", req), None)
         if fut is not None and not fut.done():
-            if h.get("missing"):
+            if got["missing"]:
                 fut.set_exception(error_from(Code.UNKNOWN_KEY.value, f"partitions "
-                                             f"{h['missing'][:8]} of the table are not held"))
+                                             f"{got['missing'][:8]} of the table are not held"))
             else:     # the rows, and the table's version when the broker sent the read
-                fut.set_result(([x for x in got if isinstance(x, tuple)],
-                                min(x for x in got if not isinstance(x, tuple))))
+                fut.set_result((got["rows"], min(got["tv"])))
 
     # -- events on the SUB ------------------------------------------------------------
     def _on_event(self, frames) -> None:

@@ -68,7 +68,7 @@ def rates(prev: dict | None, cur: dict, dt: float | None = None) -> dict:
     restarted broker or shard, a newcomer) is None. A shard's ``updates_rate`` (batches
     sequenced to the partitions it holds in sync) needs the partition table in the statuses
     (``table``, as :func:`sample` fetches them). Returns ``{"dt", "cluster", "shards",
-    "workers", "tensors", "errors"}``."""
+    "workers", "tensors", "tables", "errors"}``."""
     dt = _interval(prev, cur, dt)
     if dt is None:
         prev = None
@@ -134,11 +134,18 @@ def rates(prev: dict | None, cur: dict, dt: float | None = None) -> dict:
                                       tbefore[t["name"]].get("version", 0)
                                       if t["name"] in tbefore else None, dt)}
                for t in cur.get("tensors", [])]
+    tabbefore = {t["name"]: t for t in (prev or {}).get("tables", [])}
+    tables = [{"name": t["name"], "rows": t.get("rows", 0), "bytes": t.get("bytes", 0),
+               "version": t.get("version", 0),
+               "version_rate": _rate(t.get("version", 0),
+                                     tabbefore[t["name"]].get("version", 0)
+                                     if t["name"] in tabbefore else None, dt)}
+              for t in cur.get("tables", [])]
     perr = (prev or {}).get("errors", {})
     errors = [{"code": code, "count": n, "new": delta(n, perr.get(code, 0))}
               for code, n in sorted(cur.get("errors", {}).items())]
     return {"dt": dt, "cluster": cluster, "shards": shards, "workers": workers,
-            "tensors": tensors, "errors": errors}
+            "tensors": tensors, "tables": tables, "errors": errors}
 
 
 class History:
@@ -313,6 +320,14 @@ def render(r: dict, cur: dict, history: History, *, url: str = "", note: str | N
         et.add_row(Text("none", style="dim"), "")
     side.add_row(tt, et)
     parts.append(side)
+    if r.get("tables"):
+        tb = Table(title="tables", title_justify="left", padding=(0, 1))
+        for name in ("TABLE", "ROWS", "BYTES", "VERSION", "PUSHES/S"):
+            tb.add_column(name, justify="left" if name == "TABLE" else "right", no_wrap=True)
+        for t in r["tables"]:
+            tb.add_row(t["name"], str(t["rows"]), _size(t["bytes"]), str(t["version"]),
+                       _num(t["version_rate"]))
+        parts.append(tb)
 
     fo = cur.get("failovers") or []
     if fo:

@@ -403,3 +403,18 @@ def test_top_in_a_pty_without_a_broker_keeps_trying_and_quits_on_ctrl_c():
         assert _restored(term)
     finally:
         term.close()
+
+
+def test_tables_are_shown_with_their_push_rate():
+    table = {"name": "emb", "dim": 8, "dtype": "float32", "optimizer": "adagrad",
+             "rows": 1000, "bytes": 64000, "expiry_s": 0.0, "min_count": 1}
+    prev = dict(PREV, tables=[dict(table, version=10)])
+    cur = dict(CUR, tables=[dict(table, version=50, rows=1500, bytes=96000)])
+    r = top.rates(prev, cur)
+    assert r["tables"] == [{"name": "emb", "rows": 1500, "bytes": 96000, "version": 50,
+                            "version_rate": 20.0}]
+    out = _text(top.frame(prev, cur, None, top.History()))
+    rows = {ln.split("│")[1].strip(): [c.strip() for c in ln.split("│")[1:-1]]
+            for ln in out.splitlines() if ln.startswith("│")}
+    assert rows["emb"] == ["emb", "1500", "96.0 kB", "50", "20.0"]
+    assert "tables" not in _text(top.frame(PREV, CUR, None, top.History()))

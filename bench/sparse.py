@@ -11,7 +11,7 @@ credit windows allow (Adagrad rows); then each reads ``--ids`` rows a few times 
     (unique ids per push, mean), rows_held (rows created on the shards), pull_ms_p50 and
     pull_ms_p90 (a pull_rows of --ids ids), wire_mib_per_s
 
-Usage: python bench/sparse.py [--shards 1,2,4] [--seconds 6] [--workers 2]
+Usage: python bench/sparse.py [--shards 1,2,4] [--seconds 6] [--workers 2] [--spread S]
 """
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def _worker(url, args, seed, start, q):
     import gradbus
     rng = np.random.default_rng(seed)
     with gradbus.connect(url, timeout=120, window=8) as c:
-        c.init_table("emb", args.dim, gradbus.Normal(std=0.01), gradbus.Adagrad(lr=0.05))
+        c.init_table("emb", args.dim, gradbus.Normal(std=0.01), gradbus.Adagrad(lr=0.05),
+                     spread=args.spread)
         batches = [draw(rng, args.ids, args.space, args.zipf) for _ in range(64)]
         grads = rng.normal(size=(args.ids, args.dim)).astype(np.float32)
         start.wait()
@@ -74,7 +75,7 @@ def run(shards: int, args) -> dict:
     pulls = np.array([x for r in res for x in r["pulls"]]) * 1e3
     secs = max(r["seconds"] for r in res)
     return {"bench": "sparse", "shards": shards, "workers": args.workers, "dim": args.dim,
-            "ids": args.ids, "partitions": args.partitions,
+            "ids": args.ids, "partitions": args.partitions, "spread": args.spread,
             "pushes_per_s": round(sum(r["pushes"] for r in res) / secs, 1),
             "rows_per_s": round(sum(r["rows"] for r in res) / secs),
             "ids_per_push": round(sum(r["rows"] for r in res) / max(1, sum(r["pushes"]
@@ -95,6 +96,8 @@ def main() -> None:
     ap.add_argument("--space", type=int, default=10_000_000)
     ap.add_argument("--zipf", type=float, default=1.1)
     ap.add_argument("--partitions", type=int, default=256)
+    ap.add_argument("--spread", type=int, default=0,
+                    help="partitions the table's rows are placed in (0: all)")
     args = ap.parse_args()
     for n in (int(x) for x in args.shards.split(",")):
         print(json.dumps(run(n, args)), flush=True)

@@ -26,7 +26,7 @@ from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import (DEFAULT_PARTITIONS, MAX_NAME_LEN, TensorLayout,
                                       partition_of, row_key, row_partitions, split_key,
-                                      split_row_key)
+                                      split_row_key, table_partitions)
 
 log = logging.getLogger("gradbus.broker")
 
@@ -435,7 +435,8 @@ class BrokerCore:
                 raise WireError(Code.BAD_FIELD, f"{tbl.name}: partition {p!r} out of range")
         ids = np.concatenate([i for _, i in parts]) if len(parts) > 1 else parts[0][1]
         want = np.repeat([p for p, _ in parts], [len(i) for _, i in parts])
-        bad = np.flatnonzero(row_partitions(tbl.name, ids, self.P) != want)
+        bad = np.flatnonzero(row_partitions(tbl.name, ids, self.P, tbl.cfg.get("spread", 0))
+                             != want)
         if len(bad):
             raise WireError(Code.BAD_FIELD, f"{tbl.name}: row id {ids[bad[0]]} sent for "
                                             f"partition {want[bad[0]]}, which it does not "
@@ -685,14 +686,14 @@ class BrokerCore:
             self._enqueue(p, entry, g[1] if g else None, g[2] if g else None, ref)
         for name, layout in layouts.items():
             self.catalog[name] = Tensor(layout, opt, cons=cons)
-        for name, cfg in new_tables:        # every partition gets the table's (empty) rows
-            for p in range(self.P):
+        for name, cfg in new_tables:     # each of its partitions gets the table's (empty) rows
+            for p in table_partitions(name, self.P, cfg["spread"]).tolist():
                 self._place(p)
                 self._enqueue(p, {"op": "init", "key": row_key(name, p), "table": cfg},
                               None, None, ref)
             self.tables[name] = Table(name, cfg)
-        self.pending[ref] = Pending(client.identity, msg, "init",
-                                    len(plan) + self.P * len(new_tables),
+        self.pending[ref] = Pending(client.identity, msg, "init", len(plan) + sum(
+            len(table_partitions(n, self.P, c["spread"])) for n, c in new_tables),
                                     reply={"created": created, "existing": existing})
         self._remember(client, msg, "pending")
         actions = [(PUB, self._table_msg())]
@@ -727,7 +728,8 @@ class BrokerCore:
                 existing.append(name)
                 continue
             self._check_recovering(f"init of table {name}", False)
-            down = [p for p in range(self.P) if not self._available(p)]
+            down = [p for p in table_partitions(name, self.P, cfg["spread"]).tolist()
+                    if not self._available(p)]
             if down:
                 raise WireError(Code.SHARD_UNAVAILABLE, f"table {name}: partitions {down[:8]} "
                                                         "have no live shard")

@@ -7,6 +7,7 @@ library and frozen, so every process and version agrees on the placement.
 """
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ def partition_of(key: str, partitions: int) -> int:
 
 # -- sparse tables ---------------------------------------------------------------------------
 # A table's rows are placed by row id: partition = mix64(id XOR seed(name)) mod P, with mix64 the
-# splitmix64 finalizer and seed(name) = CRC-32 of the name times the 64-bit golden ratio. The
-# rows of table ``name`` in partition ``p`` travel and are stored under the key ``"name#p"``.
+# splitmix64 finalizer and seed(name) = CRC-32 of the name times the 64-bit golden ratio (or,
+# for a table spread over S < P partitions, the (that mod S)-th of its S partitions). The rows
+# of table ``name`` in partition ``p`` travel and are stored under the key ``"name#p"``.
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
@@ -45,12 +47,31 @@ def mix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def row_partitions(name: str, ids: np.ndarray, partitions: int) -> np.ndarray:
-    """The partition of each row id (int64 array) of table ``name``."""
+def _seed(name: str) -> np.uint64:
     with np.errstate(over="ignore"):
-        seed = np.uint64(zlib.crc32(name.encode("utf-8"))) * _GOLDEN
-    h = mix64(np.asarray(ids, dtype=np.int64).view(np.uint64) ^ seed)
-    return (h % np.uint64(partitions)).astype(np.int64)
+        return np.uint64(zlib.crc32(name.encode("utf-8"))) * _GOLDEN
+
+
+@functools.lru_cache(maxsize=1024)
+def table_partitions(name: str, partitions: int, spread: int = 0) -> np.ndarray:
+    """The partitions a table's rows live in: all of them (``spread`` 0 or >= P), or the
+    ``spread`` that come first when the partitions are ordered by mix64(p XOR seed(name))."""
+    if not spread or spread >= partitions:
+        return np.arange(partitions, dtype=np.int64)
+    order = np.argsort(mix64(np.arange(partitions, dtype=np.uint64) ^ _seed(name)),
+                       kind="stable")
+    out = order[:spread].astype(np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def row_partitions(name: str, ids: np.ndarray, partitions: int, spread: int = 0) -> np.ndarray:
+    """The partition of each row id (int64 array) of table ``name``: mix64(id XOR seed(name))
+    mod P, or with ``spread`` S < P, the (that mod S)-th of the table's partitions."""
+    h = mix64(np.asarray(ids, dtype=np.int64).view(np.uint64) ^ _seed(name))
+    if not spread or spread >= partitions:
+        return (h % np.uint64(partitions)).astype(np.int64)
+    return table_partitions(name, partitions, spread)[(h % np.uint64(spread)).astype(np.int64)]
 
 
 def row_key(name: str, p: int) -> str:

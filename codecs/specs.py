@@ -193,7 +193,7 @@ MAX_TABLE_DIM = 1 << 16
 
 def table_from_wire(d) -> dict:
     """Check a table's settings from the wire; returns the normalized map
-    ``{"dim", "dtype", "init", "opt", "expiry", "min_count"}``."""
+    ``{"dim", "dtype", "init", "opt", "expiry", "min_count", "cons", "spread"}``."""
     if not isinstance(d, dict):
         raise WireError(Code.BAD_FIELD, "table settings must be a map")
     dim, dtype = d.get("dim"), d.get("dtype", "float32")
@@ -215,12 +215,16 @@ def table_from_wire(d) -> dict:
     mc = d.get("min_count", 1)
     if isinstance(mc, bool) or not isinstance(mc, int) or not 1 <= mc < 2**31:
         raise WireError(Code.BAD_FIELD, f"min_count must be a positive int, got {mc!r}")
+    spread = d.get("spread", 0)
+    if isinstance(spread, bool) or not isinstance(spread, int) or not 0 <= spread <= 65535:
+        raise WireError(Code.BAD_FIELD, f"spread must be an int in 0..65535 (0: every "
+                                        f"partition), got {spread!r}")
     try:
         cons = consistency_from_wire(d.get("cons"))
     except ValueError as e:
         raise WireError(Code.BAD_FIELD, f"table consistency: {e}") from None
     return {"dim": dim, "dtype": dtype, "init": dict(init), "opt": spec.to_wire(),
-            "expiry": expiry, "min_count": mc, "cons": cons}
+            "expiry": expiry, "min_count": mc, "cons": cons, "spread": spread}
 
 
 CONSISTENCY_POLICIES = ("refuse", "delay")

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import gradbus
+from gradbus import admin
 from gradbus.codecs import specs, wire
 from gradbus.codecs.errors import Code
 from gradbus.codecs.partition import row_key, row_partitions
@@ -288,3 +289,25 @@ def test_bsp_tables_apply_a_step_once_every_worker_pushed_and_reads_wait_for_it(
         with pytest.raises(gradbus.StaleError):             # b's step 2 is over
             b.push_rows("bsp", ids, np.ones((2, 2))).result(10)
         assert [t["version"] for t in a.status()["tables"]] == [4]
+
+
+def test_a_table_spread_over_fewer_partitions(make_cluster):
+    """spread=S keeps a table's rows in S partitions (the same S for every process), so a
+    push of many ids is S messages' worth of work, not one per partition of the cluster."""
+    from gradbus.codecs.partition import table_partitions
+    cl = make_cluster(shards=2, processes=False, partitions=P)
+    with gradbus.connect(cl.url) as c:
+        c.init_table("few", 4, gradbus.Zeros(), gradbus.SGD(lr=0.5), spread=4)
+        ids = np.arange(1000)
+        c.push_rows("few", ids, np.ones((1000, 4))).result(10)
+        np.testing.assert_array_equal(c.pull_rows("few", ids), np.full((1000, 4), -0.5))
+        parts = set(row_partitions("few", ids, P, 4).tolist())
+        assert parts == set(table_partitions("few", P, 4).tolist()) and len(parts) == 4
+        st = c.status()
+        assert st["tables"][0]["rows"] == 1000
+        pt = admin.partitions(cl.url)
+        owners = {pt["owners"][p] for p in parts}
+        assert len(owners) == 2                  # 4 partitions still reach both shards
+        with pytest.raises(ValueError):
+            c.init_table("bad", 4, spread=-1)
+

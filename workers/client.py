@@ -818,7 +818,8 @@ class Client:
                    optimizer: specs.Optimizer | None = None, *, dtype: str = "float32",
                    expiry: float | None = None, min_count: int = 1,
                    consistency: str | None = None, stale_policy: str = "refuse",
-                   scale_lr: bool = False, timeout: float | None = None) -> None:
+                   scale_lr: bool = False, spread: int = 0,
+                   timeout: float | None = None) -> None:
         """Create an embedding table (a no-op when it exists with the same dim and dtype).
 
         Rows are int64 ids, each a vector of ``dim``; a row is created by the first push that
@@ -833,7 +834,10 @@ class Client:
         applied to the table) ago fails with StaleError; ``scale_lr`` scales each by
         1/staleness. Reads are always current, so ``stale_policy="delay"`` never waits.
         ``"bsp:N"``: a push is applied once N workers' pushes (or every connected worker's)
-        for the step are in, and a read after a push waits until that step is applied."""
+        for the step are in, and a read after a push waits until that step is applied.
+        ``spread``: the number of partitions the rows are placed in (0, the default: all of
+        them); fewer partitions mean fewer, larger messages per push and read, and so more
+        rows per second, as long as they still cover the shards."""
         if not isinstance(name, str) or not name or "#" in name:
             raise ValueError(f"table names must be non-empty strings without '#', got {name!r}")
         init = (initializer or specs.Normal(std=0.01)).to_wire()
@@ -842,7 +846,7 @@ class Client:
             cons = specs.parse_consistency(consistency, stale_policy, scale_lr)
             cfg = specs.table_from_wire({"dim": dim, "dtype": dtype, "init": init, "opt": opt,
                                          "expiry": float(expiry or 0.0), "min_count": min_count,
-                                         "cons": cons})
+                                         "cons": cons, "spread": spread})
         except WireError as e:
             raise ValueError(f"table {name}: {e.args[0]}") from None
         fut: Future = Future()
@@ -870,7 +874,7 @@ class Client:
         shape = np.shape(ids)
         flat = rows_mod.as_ids(ids)
         uniq, inv, reqs = rows_mod.read_plan(name, flat, self.partitions, cfg["dim"] * (
-            8 if cfg["dtype"] == "float64" else 4))
+            8 if cfg["dtype"] == "float64" else 4), cfg["spread"])
         # bsp: after a push, the broker holds the read until the step is applied
         step = {"min": self._bsp_next[name]} if name in self._bsp_next else {}
         futs = []
@@ -919,7 +923,7 @@ class Client:
             return done
         uniq, summed = rows_mod.sum_duplicates(flat, g)
         descs, bufs = [], []
-        for p, where in rows_mod.by_partition(name, uniq, self.partitions):
+        for p, where in rows_mod.by_partition(name, uniq, self.partitions, cfg["spread"]):
             d, buf = wire.encode_tensor(row_key(name, p), np.ascontiguousarray(summed[where]),
                                         chain, rng=self._rng)
             d["ids"] = uniq[where].tobytes()

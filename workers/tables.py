@@ -34,9 +34,9 @@ def sum_duplicates(ids: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
     return sid[starts], np.add.reduceat(rows[order], starts, axis=0)
 
 
-def by_partition(name: str, ids: np.ndarray, partitions: int):
+def by_partition(name: str, ids: np.ndarray, partitions: int, spread: int = 0):
     """Yield ``(partition, positions in ids)`` for every partition the ids touch."""
-    parts = row_partitions(name, ids, partitions)
+    parts = row_partitions(name, ids, partitions, spread)
     order = np.argsort(parts, kind="stable")
     sp = parts[order]
     bounds = np.flatnonzero(np.concatenate(([True], sp[1:] != sp[:-1], [True])))
@@ -44,14 +44,15 @@ def by_partition(name: str, ids: np.ndarray, partitions: int):
         yield int(sp[a]), order[a:b]
 
 
-def read_plan(name: str, ids: np.ndarray, partitions: int, row_bytes: int = 4):
+def read_plan(name: str, ids: np.ndarray, partitions: int, row_bytes: int = 4,
+              spread: int = 0):
     """The unique ids to read, the inverse map back to ``ids``, and the requests: a list of
     ``(q, positions)``: ``q`` the ROWS query ``[[p, id bytes], ...]`` and ``positions`` per
     entry the indices into the unique ids it covers. ``row_bytes``: the size of one row."""
     uniq, inv = np.unique(ids, return_inverse=True)
     most = max(1, min(MAX_IDS_PER_READ, MAX_READ_BYTES // max(1, row_bytes)))
     reqs, q, pos, n = [], [], [], 0
-    for p, where in by_partition(name, uniq, partitions):
+    for p, where in by_partition(name, uniq, partitions, spread):
         if n and n + len(where) > most:
             reqs.append((q, pos))
             q, pos, n = [], [], 0

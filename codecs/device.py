@@ -4,9 +4,10 @@ frame is assembled exactly as :func:`gradbus.codecs.tensor.encode` builds it (so
 no difference).
 
 Every step is written against an array module ``xp`` (``cupy`` for device arrays, ``numpy``
-otherwise), so the same code runs, and is tested, on the CPU. Chains whose value coder is
-``int8`` or ``sign`` are not done on the device: :func:`encode` copies such a gradient to the
-host and uses the host codec (the caller can see this in ``device_fallbacks``).
+otherwise), so the same code runs, and is tested, on the CPU. Every value coder runs on the
+device: raw, fp16 and bf16 give the host codec's bytes exactly, sign too (the same float64 block
+sums), and int8 the same scales with its stochastic rounding drawn on the device (the same
+16-bit noise distribution as the host's, other draws).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 from . import tensor as tcodec
 from .errors import Code, WireError
 
-DEVICE_CODERS = ("raw", "fp16", "bf16")
+DEVICE_CODERS = ("raw", "fp16", "bf16", "int8", "sign")
 device_fallbacks = 0     # gradients copied to the host whole because their chain is not done here
 
 
@@ -60,6 +61,64 @@ def _decode_bits(xp, bits, coder: str, dt):
     return out if dt == np.float32 else out.astype(dt)
 
 
+def _block_reduce(xp, fn, x, block: int, **kw):
+    """``fn`` over each block of 1-D ``x`` (the last block may be short), as the host does."""
+    m = x.size // block * block
+    body = fn(x[:m].reshape(-1, block), axis=1, **kw)
+    return body if m == x.size else xp.concatenate([body, fn(x[m:], **kw).reshape(1)])
+
+
+def _per_block(xp, scale, n: int, block: int):
+    """Each element's block value: ``scale[i // block]`` for i < n."""
+    return xp.repeat(scale, block)[:n]
+
+
+def _int8_sections(xp, x, seed: int):
+    """[float32 scale per block, int8 codes]: the host's scales (absmax / 127, never zero for a
+    non-zero block, NaN for a block holding NaN or inf), codes by stochastic rounding."""
+    B = tcodec.INT8_BLOCK
+    absmax = xp.abs(xp.maximum(_block_reduce(xp, xp.max, x, B), -_block_reduce(xp, xp.min, x, B)))
+    finite, nonzero = xp.isfinite(absmax), absmax > 0
+    scale = (absmax / xp.float32(127)).astype(xp.float32)
+    scale = xp.where(nonzero, xp.maximum(scale, xp.float32(2.0**-149)), scale)
+    short = finite & (scale < xp.float32(2.0**-126)) & (scale.astype(xp.float64) * 127 < absmax)
+    scale = xp.where(short, xp.nextafter(scale, xp.float32(np.inf)), scale).astype(xp.float32)
+    divisor = xp.where(finite & nonzero, scale, xp.float32(1)).astype(xp.float32)
+    ok = _per_block(xp, finite, x.size, B)
+    w = xp.where(ok, x, xp.float32(0)) / _per_block(xp, divisor, x.size, B)
+    # the host's noise: u = (r + 1/2) / 2**16 for 16 uniform random bits r
+    r = xp.floor(xp.random.RandomState(seed).random_sample(x.size) * 65536)
+    u = ((r + 0.5) * 2.0**-16).astype(xp.float32)
+    codes = xp.clip(xp.floor((w + u).astype(xp.float32)), -127, 127).astype(xp.int8)
+    return [xp.where(finite, scale, xp.float32(np.nan)).astype(xp.float32), codes]
+
+
+def _sign_sections(xp, x):
+    """[float32 mean |x| per block, sign bits packed 8 per byte], as the host computes them."""
+    B = tcodec.SIGN_BLOCK
+    sums = _block_reduce(xp, xp.sum, xp.abs(x), B, dtype=xp.float64)
+    m = x.size // B * B
+    counts = xp.full(sums.size, float(B))
+    if m < x.size:
+        counts[-1] = x.size - m
+    with np.errstate(over="ignore"):
+        scale = (sums / counts).astype(xp.float32)
+    return [scale, xp.packbits(xp.signbit(x))]
+
+
+def _decode_blocks(xp, coder: str, sections, n: int, dt):
+    """What the host decoder gives for int8 or sign sections."""
+    if coder == "int8":
+        block, vals = tcodec.INT8_BLOCK, sections[1].astype(xp.float32)
+    else:
+        block = tcodec.SIGN_BLOCK
+        vals = xp.where(xp.unpackbits(sections[1])[:n].astype(bool), xp.float32(-1),
+                        xp.float32(1))
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = (vals * _per_block(xp, sections[0], n, block)).astype(xp.float32)
+    return out if dt == np.float32 else out.astype(dt)
+
+
 def _select(xp, flat, st, rng_seed: int):
     n = flat.size
     k = math.ceil(st.fraction * n)
@@ -96,8 +155,9 @@ def encode(arr, chain: str = "raw", rng: np.random.Generator | None = None,
     shape = arr.shape
     flat = xp.ascontiguousarray(arr).reshape(-1)
     prefix, idx = [], None
+    seed = (int((rng or np.random.default_rng()).integers(1 << 31))
+            if st.sparse or st.coder == "int8" else 0)
     if st.sparse:
-        seed = int((rng or np.random.default_rng()).integers(1 << 62))
         idx = _select(xp, flat, st, seed)
         values = flat[idx]
         host_idx = to_host(idx)
@@ -105,17 +165,25 @@ def encode(arr, chain: str = "raw", rng: np.random.Generator | None = None,
         prefix = [np.array([len(host_idx), len(index_bytes)], "<u8"), index_bytes]
     else:
         values = flat
-    if st.coder == "raw":
-        coded = values
+    if st.coder in ("int8", "sign"):
+        with np.errstate(over="ignore", invalid="ignore"):   # float64 beyond float32: inf
+            v32 = values.astype(xp.float32)
+        coded = (_int8_sections(xp, v32, seed) if st.coder == "int8"
+                 else _sign_sections(xp, v32))
+    elif st.coder == "raw":
+        coded = [values]
     elif st.coder == "fp16":
-        coded = _fp16_bits(xp, values)
+        coded = [_fp16_bits(xp, values)]
     else:
-        coded = _bf16_bits(xp, values.astype(xp.float32) if dt != np.float32 else values)
-    host_values = np.ascontiguousarray(to_host(coded))       # the only bulk copy to the host
-    applied, buf = tcodec.assemble(st, prefix, [host_values])
+        coded = [_bf16_bits(xp, values.astype(xp.float32) if dt != np.float32 else values)]
+    # the only bulk copies to the host: the coded sections
+    applied, buf = tcodec.assemble(st, prefix, [np.ascontiguousarray(to_host(c)) for c in coded])
     if not want_decoded:
         return applied, buf
-    dec = values if st.coder == "raw" else _decode_bits(xp, coded, st.coder, dt)
+    if st.coder in ("int8", "sign"):
+        dec = _decode_blocks(xp, st.coder, coded, values.size, dt)
+    else:
+        dec = values if st.coder == "raw" else _decode_bits(xp, coded[0], st.coder, dt)
     if st.sparse:
         dense = xp.zeros(flat.size, dt)
         dense[idx] = dec

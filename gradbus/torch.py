@@ -52,11 +52,10 @@ class ParameterServerModule(torch.nn.Module):
     * CPU tensors: gradients go to the SDK as ``.numpy()`` views (no copy in the adapter), and
       weights are copied once, from the cache straight into the parameters.
     * CUDA tensors, with CuPy installed: each gradient is handed to the SDK as a CuPy view of
-      the same device memory (DLPack, no copy); the SDK selects and casts it on the GPU for
-      chains whose value coder is raw, fp16 or bf16 (``codecs/device.py``), so only the
-      compressed bytes cross to the host, and keeps the error-feedback residual on the GPU.
-      int8/sign chains, local accumulation, or no CuPy: the gradient is copied to a pinned host
-      buffer (reused from step to step) and encoded on the host. Weights are copied from the
+      the same device memory (DLPack, no copy); the SDK selects, casts or quantizes it on the
+      GPU (``codecs/device.py``), so only the compressed bytes cross to the host, and keeps the
+      error-feedback residual on the GPU. Local accumulation on, or no CuPy: the gradient is
+      copied to a pinned host buffer (reused from step to step) and encoded on the host. Weights are copied from the
       host cache to the device.
     * Not thread-safe: one thread drives a ``ParameterServerModule``.
     """
@@ -163,7 +162,8 @@ class ParameterServerModule(torch.nn.Module):
 
 def _cupy_view(g: torch.Tensor, chain: str, client):
     """A CuPy array on ``g``'s device memory (no copy) when the SDK can encode ``chain`` on the
-    device; None otherwise (no CuPy, a host-only value coder, local accumulation on)."""
+    device; None otherwise (no CuPy, a value coder not done on the device, local accumulation
+    on)."""
     from gradbus.codecs import device, tensor as tcodec
     if (tcodec.parse_stages(chain).coder not in device.DEVICE_CODERS
             or client._acc_every > 1 or client._acc_threshold is not None):

@@ -59,12 +59,54 @@ def test_device_path_frames_equal_the_host_codec(chain, dtype):
     assert np.array_equal(d1, d2, equal_nan=True) and d2.dtype == dtype
 
 
-def test_int8_and_sign_fall_back_to_the_host(fake_device):
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("chain", ["sign", "topk:0.05|sign", "sign|zstd"])
+def test_sign_on_the_device_gives_the_host_frames(chain, dtype):
+    x = _gradient(dtype=dtype)
+    x[4000:] = np.random.default_rng(2).standard_normal(1000)   # blocks without inf or NaN
+    a1, b1, d1 = tensor.encode(x, chain, want_decoded=True)
+    a2, b2, d2 = device.encode(x, chain, want_decoded=True, xp=XP)
+    assert a1 == a2 and bytes(memoryview(b1)) == bytes(memoryview(b2))
+    assert np.array_equal(d1, d2, equal_nan=True) and d2.dtype == dtype
+
+
+@pytest.mark.parametrize("chain", ["int8", "topk:0.1|int8", "int8|zstd"])
+def test_int8_on_the_device_has_the_host_scales_and_rounds_without_bias(chain):
+    """int8 rounds stochastically: the device draws other noise than the host, so its frame
+    differs, but it decodes (with the host decoder) to what it says it sent, its scales are the
+    host's, every code is the host's or one off, and its rounding is unbiased."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(3000) * np.exp(rng.uniform(-5, 5, 3000))).astype(np.float32)
+    x[[7, 900]] = np.nan, np.inf
+    applied, buf, dec = device.encode(x, chain, want_decoded=True, xp=XP,
+                                      rng=np.random.default_rng(0))
+    got = tensor.decode(buf, applied, "float32", x.shape, 1 << 30)
+    assert applied == tensor.encode(x, chain)[0]
+    assert np.array_equal(got, dec, equal_nan=True)
+    if chain == "int8":
+        host = tensor.encode(x, "int8")[1]
+        ns = -(-x.size // tensor.INT8_BLOCK)
+        dev_b, host_b = bytes(memoryview(buf)), bytes(memoryview(host))
+        assert dev_b[:4 * ns] == host_b[:4 * ns]                 # the same scales
+        dc = np.frombuffer(dev_b[4 * ns:], np.int8).astype(int)
+        hc = np.frombuffer(host_b[4 * ns:], np.int8).astype(int)
+        assert np.abs(dc - hc).max() <= 1
+        y = np.random.default_rng(4).standard_normal(256).astype(np.float32)
+        mean = np.mean([device.encode(y, "int8", want_decoded=True, xp=XP,
+                                      rng=np.random.default_rng(s))[2] for s in range(400)],
+                       axis=0)
+        step = np.abs(y).max() / 127
+        assert np.abs(mean - y).max() < 0.25 * step            # unbiased, to sampling noise
+
+
+def test_int8_and_sign_stay_on_the_device(fake_device):
     before = device.device_fallbacks
     x = _gradient().view(Dev)
-    applied, buf = device.encode(x, "int8")
-    assert applied == "int8" and device.device_fallbacks == before + 1
-    assert fake_device == [x.size]          # the whole gradient went through the host codec
+    for chain in ("int8", "sign", "topk:0.01|int8|zstd"):
+        applied, buf = device.encode(x, chain)
+        assert applied.startswith(chain.split("|zstd")[0])
+    assert device.device_fallbacks == before
+    assert fake_device == []                 # the host codec never saw a whole gradient
 
 
 @pytest.mark.parametrize("chain", ["raw", "topk:0.1|bf16", "fp16|zstd"])
@@ -103,3 +145,11 @@ def test_cupy_gradient_is_encoded_on_the_gpu():
         a2, b2, d2 = device.encode(cupy.asarray(x), chain, want_decoded=True)
         assert a1 == a2 and bytes(memoryview(b1)) == bytes(memoryview(b2)), chain
         assert np.array_equal(d1, cupy.asnumpy(d2), equal_nan=True)
+    y = np.random.default_rng(5).standard_normal(5000).astype(np.float32)
+    for chain in ("sign", "int8", "topk:0.05|int8|zstd"):   # block sums in another order;
+        a2, b2, d2 = device.encode(cupy.asarray(y), chain, want_decoded=True)   # other noise
+        got = tensor.decode(b2, a2, "float32", y.shape, 1 << 30)
+        assert np.array_equal(got, cupy.asnumpy(d2)), chain
+        if chain == "sign":
+            np.testing.assert_allclose(got, tensor.encode(y, "sign", want_decoded=True)[2],
+                                       rtol=1e-6)

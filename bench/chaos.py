@@ -41,7 +41,7 @@ import numpy as np
 import gradbus
 from gradbus import admin
 from gradbus import demo_model as dm
-from gradbus.cluster import free_ports
+from gradbus.cluster import end_processes, free_ports
 from gradbus.codecs.errors import GradbusError
 
 HB = ["--heartbeat-interval", "0.1", "--liveness", "5"]
@@ -90,20 +90,10 @@ class Cluster:
         raise TimeoutError("cluster condition not reached")
 
     def stop(self):
-        procs = [*self.shards.values(), self.broker]
-        for p in procs:
+        for p in self.shards.values():      # a stopped (SIGSTOP) shard must hear SIGTERM
             if p is not None and p.poll() is None:
-                if p is not self.broker:
-                    p.send_signal(signal.SIGCONT)
-                p.terminate()
-        for p in procs:
-            if p is not None:
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                p.stdout.close()
+                p.send_signal(signal.SIGCONT)
+        end_processes([*self.shards.values(), self.broker], grace=10.0)
 
 
 def _owners(url):

@@ -120,7 +120,6 @@ class Table:
     """An embedding table: rows spread over every partition (key ``name#p``)."""
     name: str
     cfg: dict                                       # specs.table_from_wire
-    versions: dict = field(default_factory=dict)    # p -> row pushes applied there
     rows: dict = field(default_factory=dict)        # p -> [rows, bytes] the primary reported
     applied: int = 0     # pushes to the table applied since this broker started ...
     base: int = 0        # ... on top of this many (learned from the shards after a restart)
@@ -204,8 +203,9 @@ class BrokerCore:
         self.standbys: list[list[str]] = [[] for _ in range(partitions)]  # in-sync standbys
         self.syncing: dict[int, dict[str, float]] = defaultdict(dict)  # p -> {shard: since}
         self.pbytes = [0] * partitions                               # parameter bytes per p
-        self.prate = [0.0] * partitions     # gradients per second into p (decaying, RATE_TAU)
-        self.prate_at = [0.0] * partitions
+        self.pcount = [0] * partitions      # gradients batched into p since the last tick ...
+        self.prate = np.zeros(partitions)   # ... folded each tick into a rate (RATE_TAU)
+        self.prate_at = now
         self.failovers: list[dict] = []                              # the most recent ones
         # Partition moves (rebalance, drain): p -> {"from", "to", "since"}; the copy catches up
         # like a standby, then takes the place of "from" (the primary's with a new epoch).
@@ -823,7 +823,7 @@ class BrokerCore:
                     or len(q[1]) % 8):
                 raise WireError(Code.BAD_FIELD, "rows: q must be [[partition, int64 ids], ...]")
         if h["q"]:
-            self._row_ids(tbl, [(p, np.frombuffer(ids, dtype="<i8")) for p, ids in h["q"]])
+            self._row_ids(tbl, [(p, wire.row_ids(ids)) for p, ids in h["q"]])
         for q in h["q"]:
             key = row_key(tbl.name, q[0])
             by_shard[self._live_owner(key, q[0])].append(q)
@@ -917,8 +917,7 @@ class BrokerCore:
                     refs.append(ref)
                 header_parts.append({"p": p, "seq": self.seq[p], "epoch": self.epochs[p],
                                      "o": primary, "e": ents})
-                self.prate[p] = self._rate(p, now) + len(ents) / RATE_TAU
-                self.prate_at[p] = now
+                self.pcount[p] += len(ents)
                 self.h_batch.observe(len(ents))
                 self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys})
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
@@ -1205,7 +1204,6 @@ class BrokerCore:
                 if name_p is not None:
                     tbl = self.tables.get(name_p[0])
                     if tbl is not None:      # pushes applied: at least the most any part saw
-                        tbl.versions.setdefault(name_p[1], b[1])
                         tbl.base = max(tbl.base, b[1] - tbl.applied)
                     continue
                 try:
@@ -1295,11 +1293,8 @@ class BrokerCore:
                     self.published_seq[p] = seq
                 self._learn_rows(p, part.get("tr"))
                 for key, ver in part.get("vers", {}).items():
-                    name_p = split_row_key(key)
-                    if name_p is not None:
-                        if name_p[0] in self.tables:
-                            self.tables[name_p[0]].versions[p] = ver
-                        continue
+                    if split_row_key(key) is not None:
+                        continue      # a table's version counts acknowledged pushes instead
                     try:
                         name, idx = split_key(key)
                     except ValueError:
@@ -1441,14 +1436,19 @@ class BrokerCore:
         self.counters["shards_drained"] += 1
         return [(BACK, s.identity, [wire.pack(wire.STOP)])] if s.alive else []
 
-    def _rate(self, p: int, now: float) -> float:
-        """Partition p's update rate (gradients per second, exponentially weighted)."""
-        return self.prate[p] * math.exp(-max(0.0, now - self.prate_at[p]) / RATE_TAU)
+    def _fold_rates(self, now: float) -> None:
+        """Each partition's update rate: an exponentially weighted count of the gradients
+        batched into it (time constant RATE_TAU), brought up to ``now``."""
+        decay = math.exp(-max(0.0, now - self.prate_at) / RATE_TAU)
+        self.prate = self.prate * decay + np.asarray(self.pcount) / RATE_TAU
+        self.pcount = [0] * self.P
+        self.prate_at = now
 
     def _loads(self, now: float) -> tuple[dict, dict]:
         """Per partition ``(share of all parameter bytes, share of all updates per second)``,
         and per shard the sums over its copies (a copy moving away counts where it goes)."""
-        rates = [self._rate(p, now) for p in range(self.P)]
+        self._fold_rates(now)
+        rates = self.prate.tolist()
         tb, tr = sum(self.pbytes), sum(rates)
         w = {p: (self.pbytes[p] / tb if tb else 0.0, rates[p] / tr if tr else 0.0)
              for p in range(self.P) if self.owners[p] is not None}
@@ -1889,11 +1889,12 @@ class BrokerCore:
     def table(self) -> dict:
         """The partition table: per partition its primary, in-sync standbys, standbys catching
         up, epoch and last seq."""
+        self._fold_rates(self.now)
         return {"owners": [o or "" for o in self.owners], "standbys": self.standbys,
                 "syncing": [sorted(self.syncing.get(p, ())) for p in range(self.P)],
                 "epochs": self.epochs, "seqs": self.seq, "down": self._down(),
                 "bytes": self.pbytes,
-                "rates": [round(self._rate(p, self.now), 3) for p in range(self.P)],
+                "rates": [round(r, 3) for r in self.prate.tolist()],
                 "version": self.table_version}
 
     def validate_state(self) -> None:

@@ -61,49 +61,23 @@ def _decode_bits(xp, bits, coder: str, dt):
     return out if dt == np.float32 else out.astype(dt)
 
 
-def _block_reduce(xp, fn, x, block: int, **kw):
-    """``fn`` over each block of 1-D ``x`` (the last block may be short), as the host does."""
-    m = x.size // block * block
-    body = fn(x[:m].reshape(-1, block), axis=1, **kw)
-    return body if m == x.size else xp.concatenate([body, fn(x[m:], **kw).reshape(1)])
-
-
 def _per_block(xp, scale, n: int, block: int):
     """Each element's block value: ``scale[i // block]`` for i < n."""
     return xp.repeat(scale, block)[:n]
 
 
 def _int8_sections(xp, x, seed: int):
-    """[float32 scale per block, int8 codes]: the host's scales (absmax / 127, never zero for a
-    non-zero block, NaN for a block holding NaN or inf), codes by stochastic rounding."""
+    """[float32 scale per block, int8 codes]: the host's scales (:func:`tcodec.int8_scales`),
+    codes by stochastic rounding with noise drawn on the device."""
     B = tcodec.INT8_BLOCK
-    absmax = xp.abs(xp.maximum(_block_reduce(xp, xp.max, x, B), -_block_reduce(xp, xp.min, x, B)))
-    finite, nonzero = xp.isfinite(absmax), absmax > 0
-    scale = (absmax / xp.float32(127)).astype(xp.float32)
-    scale = xp.where(nonzero, xp.maximum(scale, xp.float32(2.0**-149)), scale)
-    short = finite & (scale < xp.float32(2.0**-126)) & (scale.astype(xp.float64) * 127 < absmax)
-    scale = xp.where(short, xp.nextafter(scale, xp.float32(np.inf)), scale).astype(xp.float32)
-    divisor = xp.where(finite & nonzero, scale, xp.float32(1)).astype(xp.float32)
+    scale, divisor, finite = tcodec.int8_scales(x, xp)
     ok = _per_block(xp, finite, x.size, B)
     w = xp.where(ok, x, xp.float32(0)) / _per_block(xp, divisor, x.size, B)
     # the host's noise: u = (r + 1/2) / 2**16 for 16 uniform random bits r
     r = xp.floor(xp.random.RandomState(seed).random_sample(x.size) * 65536)
     u = ((r + 0.5) * 2.0**-16).astype(xp.float32)
     codes = xp.clip(xp.floor((w + u).astype(xp.float32)), -127, 127).astype(xp.int8)
-    return [xp.where(finite, scale, xp.float32(np.nan)).astype(xp.float32), codes]
-
-
-def _sign_sections(xp, x):
-    """[float32 mean |x| per block, sign bits packed 8 per byte], as the host computes them."""
-    B = tcodec.SIGN_BLOCK
-    sums = _block_reduce(xp, xp.sum, xp.abs(x), B, dtype=xp.float64)
-    m = x.size // B * B
-    counts = xp.full(sums.size, float(B))
-    if m < x.size:
-        counts[-1] = x.size - m
-    with np.errstate(over="ignore"):
-        scale = (sums / counts).astype(xp.float32)
-    return [scale, xp.packbits(xp.signbit(x))]
+    return [scale, codes]
 
 
 def _decode_blocks(xp, coder: str, sections, n: int, dt):
@@ -169,7 +143,7 @@ def encode(arr, chain: str = "raw", rng: np.random.Generator | None = None,
         with np.errstate(over="ignore", invalid="ignore"):   # float64 beyond float32: inf
             v32 = values.astype(xp.float32)
         coded = (_int8_sections(xp, v32, seed) if st.coder == "int8"
-                 else _sign_sections(xp, v32))
+                 else tcodec.sign_encode(v32, xp))
     elif st.coder == "raw":
         coded = [values]
     elif st.coder == "fp16":

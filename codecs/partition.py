@@ -22,10 +22,8 @@ MAX_NAME_LEN = 256
 def partition_of(key: str, partitions: int) -> int:
     """Stable partition of a key: CRC-32 of a dense block key (``"name/i"``), or the partition a
     table's row key names (``"name#p"``, see :func:`row_key`)."""
-    head, sep, tail = key.rpartition("#")
-    if sep and head and tail.isdigit():
-        return int(tail)
-    return zlib.crc32(key.encode("utf-8")) % partitions
+    row = split_row_key(key)
+    return row[1] if row is not None else zlib.crc32(key.encode("utf-8")) % partitions
 
 
 # -- sparse tables ---------------------------------------------------------------------------

@@ -255,11 +255,12 @@ def _bf16_decode(bits: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------ int8 / sign
 
 
-def _block_reduce(fn, x: np.ndarray, block: int, **kw) -> np.ndarray:
-    """``fn`` over each block of ``block`` values of 1-D ``x`` (the last block may be short)."""
-    m = len(x) // block * block
+def _block_reduce(fn, x: np.ndarray, block: int, xp=np, **kw) -> np.ndarray:
+    """``fn`` over each block of ``block`` values of 1-D ``x`` (the last block may be short);
+    ``xp`` is the array module of ``x`` (numpy, or CuPy for the device encoder)."""
+    m = x.size // block * block
     body = fn(x[:m].reshape(-1, block), axis=1, **kw)
-    return body if m == len(x) else np.append(body, fn(x[m:], **kw))
+    return body if m == x.size else xp.concatenate([body, fn(x[m:], **kw).reshape(1)])
 
 
 def _blockwise(ufunc, x: np.ndarray, s: np.ndarray, out: np.ndarray, block: int) -> None:
@@ -271,23 +272,30 @@ def _blockwise(ufunc, x: np.ndarray, s: np.ndarray, out: np.ndarray, block: int)
         ufunc(x[m:], s[m // block], out=out[m:], dtype=np.float32)
 
 
-def _int8_encode(x: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
-    """float32 values -> [float32 scale per block, int8 codes], stochastic rounding."""
-    absmax = np.abs(np.maximum(_block_reduce(np.max, x, INT8_BLOCK),
-                               -_block_reduce(np.min, x, INT8_BLOCK)))   # abs: -0.0 -> 0.0
-    finite = np.isfinite(absmax)
+def int8_scales(x, xp=np):
+    """The int8 blocks of float32 values ``x`` (of array module ``xp``): ``(scale, divisor,
+    finite)`` per block. ``scale`` is absmax/127, NaN for a block holding NaN or inf (its codes
+    are 0, so it decodes NaN); ``divisor`` is what the values are divided by (1 for an all-zero
+    or non-finite block)."""
+    absmax = xp.abs(xp.maximum(_block_reduce(xp.max, x, INT8_BLOCK, xp),   # abs: -0.0 -> 0.0
+                               -_block_reduce(xp.min, x, INT8_BLOCK, xp)))
+    finite = xp.isfinite(absmax)
     nonzero = absmax > 0
-    scale = absmax / np.float32(127)
+    scale = (absmax / xp.float32(127)).astype(xp.float32)
     # a non-zero block never gets a zero scale (|x| < 127 * 2**-149 would underflow), nor one
     # rounded below absmax/127 (subnormal scales have few bits: 127 codes must reach absmax)
-    np.maximum(scale, np.float32(2.0**-149), out=scale, where=nonzero)
-    short = finite & (scale < np.float32(2.0**-126)) & (scale.astype(np.float64) * 127 < absmax)
-    if short.any():
-        scale[short] = np.nextafter(scale[short], np.float32(np.inf))
-    divisor = np.where(finite & nonzero, scale, np.float32(1))
+    scale = xp.where(nonzero, xp.maximum(scale, xp.float32(2.0**-149)), scale)
+    short = finite & (scale < xp.float32(2.0**-126)) & (scale.astype(xp.float64) * 127 < absmax)
+    scale = xp.where(short, xp.nextafter(scale, xp.float32(np.inf)), scale).astype(xp.float32)
+    divisor = xp.where(finite & nonzero, scale, xp.float32(1)).astype(xp.float32)
+    return xp.where(finite, scale, xp.float32(np.nan)).astype(xp.float32), divisor, finite
+
+
+def _int8_encode(x: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
+    """float32 values -> [float32 scale per block, int8 codes], stochastic rounding."""
+    scale, divisor, finite = int8_scales(x)
     if not finite.all():                # NaN or inf: codes 0, scale NaN, so the block decodes NaN
         x = np.where(np.repeat(~finite, INT8_BLOCK)[:len(x)], np.float32(0), x)
-        scale[~finite] = np.nan
     codes = np.empty(len(x), np.int8)
     work = np.empty(min(len(x), _CHUNK), np.float32)
     noise = np.empty_like(work)
@@ -307,16 +315,17 @@ def _int8_encode(x: np.ndarray, rng: np.random.Generator) -> list[np.ndarray]:
     return [scale, codes]
 
 
-def _sign_encode(x: np.ndarray) -> list[np.ndarray]:
-    """float32 values -> [float32 mean |x| per block, sign bits packed 8 per byte]."""
-    m = len(x) // SIGN_BLOCK * SIGN_BLOCK
-    sums = _block_reduce(np.sum, np.abs(x), SIGN_BLOCK, dtype=np.float64)
+def sign_encode(x, xp=np) -> list:
+    """float32 values (of array module ``xp``) -> [float32 mean |x| per block, sign bits
+    packed 8 per byte]."""
+    m = x.size // SIGN_BLOCK * SIGN_BLOCK
+    sums = _block_reduce(xp.sum, xp.abs(x), SIGN_BLOCK, xp, dtype=xp.float64)
     sums[:m // SIGN_BLOCK] /= SIGN_BLOCK
-    if m < len(x):
-        sums[-1] /= len(x) - m
+    if m < x.size:
+        sums[-1] /= x.size - m
     with np.errstate(over="ignore"):
-        scale = sums.astype(np.float32)
-    return [scale, np.packbits(np.signbit(x))]
+        scale = sums.astype(xp.float32)
+    return [scale, xp.packbits(xp.signbit(x))]
 
 
 # ------------------------------------------------------------------ value coders
@@ -359,7 +368,7 @@ def _encode_values(v: np.ndarray, coder: str, rng: np.random.Generator) -> list[
         return [_bf16_encode(x)]
     if coder == "int8":
         return _int8_encode(x, rng)
-    return _sign_encode(x)
+    return sign_encode(x)
 
 
 def _decode_values(arrays: list[np.ndarray], coder: str, dt: np.dtype, k: int) -> np.ndarray:

@@ -170,7 +170,12 @@ class TensorDesc:
 
     def row_ids(self) -> np.ndarray:
         """The row ids of a table rows frame (a read-only int64 view)."""
-        return np.frombuffer(self.ids, dtype="<i8")
+        return row_ids(self.ids)
+
+
+def row_ids(ids: bytes) -> np.ndarray:
+    """Row ids as sent (little-endian int64 bytes) -> a read-only int64 view."""
+    return np.frombuffer(ids, dtype="<i8")
 
 
 def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | None = None,

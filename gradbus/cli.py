@@ -109,7 +109,18 @@ def _on_signals(stop) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Gradbus(click.Group):
+    """The command group: a GradbusError from any command is reported like a click error
+    ("Error: CODE: message", exit status 1)."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except GradbusError as e:
+            raise click.ClickException(str(e)) from None
+
+
+@click.group(cls=_Gradbus, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="gradbus")
 def main() -> None:
     """gradbus: an asynchronous parameter server over a ZeroMQ broker."""
@@ -237,14 +248,11 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
         return
     _logging(verbose)
     from gradbus.shards.server import ShardServer
-    try:
-        srv = ShardServer(broker_url, shard_id, weights_codec=weights_codec, nan_policy=nan_policy,
-                          apply_delay=fault_apply_delay, heartbeat_interval=heartbeat_interval,
-                          liveness=liveness, data_dir=data_dir,
-                          checkpoint_interval=checkpoint_interval,
-                          checkpoint_keep=checkpoint_keep, restore=restore_path, curve=curve)
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    srv = ShardServer(broker_url, shard_id, weights_codec=weights_codec, nan_policy=nan_policy,
+                      apply_delay=fault_apply_delay, heartbeat_interval=heartbeat_interval,
+                      liveness=liveness, data_dir=data_dir,
+                      checkpoint_interval=checkpoint_interval,
+                      checkpoint_keep=checkpoint_keep, restore=restore_path, curve=curve)
     exporter = _exporter(metrics_port, metrics_host, f"{srv.shard_id}-metrics")
     if exporter:
         srv.on_metrics, srv.metrics_url = exporter.update, exporter.url
@@ -253,8 +261,6 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
     _on_signals(srv.stop)
     try:
         srv.run()
-    except GradbusError as e:
-        raise click.ClickException(str(e))
     finally:
         if exporter:
             exporter.close()
@@ -272,17 +278,10 @@ def shard_drain(shard_id, broker_url, wait, timeout, as_json, curve):
     """Move every partition off SHARD_ID (to the shards holding fewest bytes); the shard stops
     once it holds nothing."""
     from gradbus import admin
-    try:
-        before = _move_keys(broker_url, curve)
-        res = admin.drain(broker_url, shard_id, curve=curve)
-        if not as_json:
-            click.echo(f"draining {shard_id}: {res['partitions']} partitions to move")
-        moves = _follow_moves(broker_url, curve, timeout, until_gone=shard_id,
-                              quiet=as_json, before=before) if wait else []
-        if as_json:
-            click.echo(json.dumps({**res, "moves": moves}, indent=2))
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    _moving(broker_url, curve, wait, timeout, as_json,
+            lambda: admin.drain(broker_url, shard_id, curve=curve),
+            lambda res: f"draining {shard_id}: {res['partitions']} partitions to move",
+            until_gone=shard_id)
 
 
 @main.command()
@@ -293,24 +292,27 @@ def shard_drain(shard_id, broker_url, wait, timeout, as_json, curve):
 @click.option("--json", "as_json", is_flag=True, help="Print the result (and the moves) as JSON.")
 @curve_options("client")
 def rebalance(broker_url, wait, timeout, as_json, curve):
-    """Even out parameter bytes per shard by moving partitions while training goes on."""
+    """Even out the shards' load (parameter bytes and update rate) by moving partitions while
+    training goes on."""
     from gradbus import admin
-    try:
-        before = _move_keys(broker_url, curve)
-        res = admin.rebalance(broker_url, curve=curve)
-        if not as_json:
-            click.echo(f"rebalance: {res['moves_started']} moves started")
-        moves = _follow_moves(broker_url, curve, timeout, quiet=as_json,
-                              before=before) if wait else []
-        if as_json:
-            click.echo(json.dumps({**res, "moves": moves}, indent=2))
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    _moving(broker_url, curve, wait, timeout, as_json,
+            lambda: admin.rebalance(broker_url, curve=curve),
+            lambda res: f"rebalance: {res['moves_started']} moves started")
 
 
-def _move_keys(url, curve) -> set:
+def _moving(url, curve, wait: bool, timeout: float, as_json: bool, start, said,
+            until_gone: str | None = None) -> None:
+    """Start moves (``start()``, an admin request), say so (``said(result)``), and with
+    ``wait`` follow them to the end; ``as_json`` prints the result and the moves instead."""
     from gradbus import admin
-    return {(m["p"], m["at"]) for m in admin.status(url, curve=curve)["moves"]}
+    before = {(m["p"], m["at"]) for m in admin.status(url, curve=curve)["moves"]}
+    res = start()
+    if not as_json:
+        click.echo(said(res))
+    moves = _follow_moves(url, curve, timeout, until_gone=until_gone, quiet=as_json,
+                          before=before) if wait else []
+    if as_json:
+        click.echo(json.dumps({**res, "moves": moves}, indent=2))
 
 
 def _follow_moves(url, curve, timeout: float, until_gone: str | None = None,
@@ -378,10 +380,7 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port):
 
 def _run_cluster(cluster, stop: threading.Event) -> None:
     """Start a local cluster, say 'ready: URL', and keep it until a signal or its broker ends."""
-    try:
-        cluster.start()
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    cluster.start()
     try:
         click.echo(f"ready: {cluster.url}")
         if getattr(cluster, "keys", None) is not None:
@@ -483,10 +482,7 @@ def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry
 def checkpoint_cmd(broker_url, as_json, timeout, curve):
     """Have every shard write a checkpoint now; prints where each went."""
     from gradbus import admin
-    try:
-        replies = admin.checkpoint(broker_url, timeout, curve=curve)
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    replies = admin.checkpoint(broker_url, timeout, curve=curve)
     if as_json:
         click.echo(json.dumps(replies, indent=2, sort_keys=True))
     else:
@@ -507,10 +503,7 @@ def checkpoint_cmd(broker_url, as_json, timeout, curve):
 def partitions(broker_url, as_json, show_all, timeout, curve):
     """The partition table: primary, standbys, epoch and seq of every placed partition."""
     from gradbus import admin
-    try:
-        t = admin.partitions(broker_url, timeout, curve=curve)
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    t = admin.partitions(broker_url, timeout, curve=curve)
     rows = [{"p": p, "primary": o, "standbys": t["standbys"][p], "syncing": t["syncing"][p],
              "epoch": t["epochs"][p], "seq": t["seqs"][p], "down": p in t["down"],
              "bytes": t["bytes"][p], "updates_per_s": t["rates"][p]}
@@ -545,10 +538,7 @@ def _fmt_bytes(n: float) -> str:
 def status(broker_url, as_json, timeout, curve):
     """Shards, partitions, workers, tensor versions and counters of a running cluster."""
     from gradbus import admin
-    try:
-        st = admin.status(broker_url, timeout, curve=curve)
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    st = admin.status(broker_url, timeout, curve=curve)
     if as_json:
         click.echo(json.dumps(st, indent=2, sort_keys=True))
         return
@@ -603,13 +593,10 @@ def status(broker_url, as_json, timeout, curve):
 def top(broker_url, interval, once, curve):
     """A live dashboard of a running cluster: rates, lag, bytes, errors. q or Ctrl-C quits."""
     from gradbus import top as dashboard
-    try:
-        if once:
-            dashboard.once(broker_url, interval, curve=curve)
-        else:
-            dashboard.run(broker_url, interval, curve=curve)
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    if once:
+        dashboard.once(broker_url, interval, curve=curve)
+    else:
+        dashboard.run(broker_url, interval, curve=curve)
 
 
 @config.config_option
@@ -641,13 +628,10 @@ def demo(ctx, workers, shards, epochs, codec, broker_url, as_json, seed, error_f
         from gradbus import demo as demo_mod
     except ImportError as e:
         raise click.ClickException(f"the demo needs scikit-learn: pip install 'gradbus[demo]' ({e})")
-    try:
-        summary = demo_mod.run(workers=workers, shards=shards, epochs=epochs, codec=codec,
-                               broker_url=broker_url, seed=seed, echo=click.echo,
-                               error_feedback=error_feedback, accumulate=accumulate,
-                               optimizer=optimizer)
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    summary = demo_mod.run(workers=workers, shards=shards, epochs=epochs, codec=codec,
+                           broker_url=broker_url, seed=seed, echo=click.echo,
+                           error_feedback=error_feedback, accumulate=accumulate,
+                           optimizer=optimizer)
     if as_json:
         click.echo(json.dumps(summary, sort_keys=True))
     else:
@@ -668,11 +652,8 @@ def demo_ctr(workers, shards, epochs, n_train, broker_url, as_json, seed):
     """Train a click-through-rate model (embedding tables and a small MLP) on click logs drawn
     from a planted model, and score it against the best achievable log loss and AUC."""
     from gradbus import demo_ctr as ctr
-    try:
-        summary = ctr.run(workers=workers, shards=shards, epochs=epochs, n_train=n_train,
-                          broker_url=broker_url, seed=seed, echo=click.echo)
-    except GradbusError as e:
-        raise click.ClickException(str(e))
+    summary = ctr.run(workers=workers, shards=shards, epochs=epochs, n_train=n_train,
+                      broker_url=broker_url, seed=seed, echo=click.echo)
     click.echo(json.dumps(summary, sort_keys=True) if as_json else ctr.format_summary(summary))
 
 

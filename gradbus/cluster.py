@@ -18,6 +18,24 @@ from gradbus.codecs.errors import GradbusError
 STOP_GRACE = 5.0
 
 
+def end_processes(procs, grace: float = STOP_GRACE) -> None:
+    """SIGTERM every running process of ``procs`` (None entries are skipped), give them
+    ``grace`` seconds together, SIGKILL the rest; every one is reaped and its stdout closed."""
+    procs = [p for p in procs if p is not None]
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        if p.stdout:
+            p.stdout.close()
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -157,19 +175,7 @@ class LocalCluster:
                 proc.stdout.close()
 
     def stop(self) -> None:
-        procs = list(self.shard_procs.values()) + ([self.broker_proc] if self.broker_proc else [])
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_GRACE
-        for p in procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-            if p.stdout:
-                p.stdout.close()
+        end_processes([*self.shard_procs.values(), self.broker_proc])
         for s in self.shard_servers.values():
             s.stop()
         if self.broker is not None:

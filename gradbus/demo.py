@@ -156,12 +156,8 @@ def run_workers(argvs: list[list[str]], on_line, env=None) -> dict[int, dict]:
                 raise GradbusError(f"worker {i} failed (exit {p.returncode})")
         return done
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            if p.stdout:
-                p.stdout.close()
+        from gradbus.cluster import end_processes
+        end_processes(procs, grace=0.0)
 
 
 def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str = "raw",

@@ -164,18 +164,10 @@ class ShardCore:
                                         f"{desc.key}: gradient {desc.dtype}{list(desc.shape)} does "
                                         f"not match {blk.value.dtype}[{blk.value.size}]")
                     # sparse chains come back as (indices, values): scatter-added, never densified
-                    g = wire.decode_tensor_sparse(desc, frames[i], self.max_tensor_bytes)
-                    vals = g[1]
-                    if self.nan_policy == "refuse" and not np.isfinite(vals).all():
-                        raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
-                    w = ent.get("w")
-                    if isinstance(w, float) and 0.0 < w < 1.0:   # staleness-scaled step
-                        g = (g[0], g[1] * np.asarray(w, dtype=g[1].dtype))
-                    if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
-                        self.stats["duplicates_skipped"] = self.stats.get(
-                            "duplicates_skipped", 0) + 1
-                        continue    # applied before (a resend through a restarted broker)
-                    sums.setdefault(desc.key, []).append((*g, desc.count))
+                    at, vals = wire.decode_tensor_sparse(desc, frames[i], self.max_tensor_bytes)
+                    vals = self._accepted(desc, vals, ent, pst)
+                    if vals is not None:
+                        sums.setdefault(desc.key, []).append((at, vals, desc.count))
                 elif op == "init":
                     layout = TensorLayout.from_wire(ent["layout"])
                     given = None
@@ -224,6 +216,22 @@ class ShardCore:
         self.stats["pushes_refused"] += sum(1 for e in errors)
         return p, seq, epoch, errors, changed, False, publish, touched
 
+    def _accepted(self, desc, vals, ent: dict, pst):
+        """A decoded gradient's values as they are to be summed: NOT_FINITE when it holds NaN
+        or Inf (nan_policy refuse), None when it was applied before (a resend through a
+        restarted broker), scaled by the entry's ``w`` (staleness-scaled step)."""
+        # one reduction first (a sum is finite when every value is); exact check only if not
+        if (self.nan_policy == "refuse" and not math.isfinite(np.add.reduce(vals, axis=None))
+                and not np.isfinite(vals).all()):
+            raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
+        if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
+            self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
+            return None
+        w = ent.get("w")
+        if isinstance(w, float) and 0.0 < w < 1.0:
+            vals = vals * np.asarray(w, dtype=vals.dtype)
+        return vals
+
     def _row_grad(self, desc, frame, ent: dict, pst, rsums: dict) -> None:
         """Check and decode one pushed rows frame; kept for the batch's sum per row."""
         tbl = self.store.tables.get(desc.key)
@@ -232,17 +240,10 @@ class ShardCore:
         if desc.shape[1] != tbl.dim or desc.dtype != tbl.cfg["dtype"]:
             raise WireError(Code.BAD_SHAPE, f"{desc.key}: rows {desc.dtype}{list(desc.shape)} "
                                             f"do not match {tbl.dtype}[n, {tbl.dim}]")
-        vals = wire.decode_tensor(desc, frame, self.max_tensor_bytes).reshape(desc.shape)
-        # one reduction first (a sum is finite when every value is); exact check only if not
-        if (self.nan_policy == "refuse" and not math.isfinite(np.add.reduce(vals, axis=None))
-                and not np.isfinite(vals).all()):
-            raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
-        if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
-            self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
+        vals = self._accepted(desc, wire.decode_tensor(desc, frame, self.max_tensor_bytes)
+                              .reshape(desc.shape), ent, pst)
+        if vals is None:
             return
-        w = ent.get("w")
-        if isinstance(w, float) and 0.0 < w < 1.0:    # staleness-scaled step
-            vals = vals * np.asarray(w, dtype=vals.dtype)
         ts = ent.get("ts", 0.0)
         rsums.setdefault(desc.key, []).append(
             (desc.row_ids(), vals, float(ts) if isinstance(ts, (int, float)) else 0.0))
@@ -331,7 +332,7 @@ class ShardCore:
             if tbl is None:
                 missing.append(q[0])
                 continue
-            d, buf = wire.encode_tensor(key, tbl.lookup(np.frombuffer(q[1], dtype="<i8")),
+            d, buf = wire.encode_tensor(key, tbl.lookup(wire.row_ids(q[1])),
                                         "raw", tbl.version)
             descs.append(d)
             bufs.append(buf)

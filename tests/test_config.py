@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from gradbus import config
 from gradbus.cli import main
+from gradbus.cluster import end_processes
 from gradbus.codecs.errors import GradbusError
 from gradbus.config import tomllib
 
@@ -381,10 +382,4 @@ def test_broker_binds_the_port_from_the_file(tmp_path):
         assert r.exit_code == 0, r.output
         assert json.loads(r.output)["partitions"] == 16
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+        end_processes([proc], grace=10.0)

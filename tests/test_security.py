@@ -342,6 +342,8 @@ class Relay:
                         sel.register(a, selectors.EVENT_READ)
                         sel.register(b, selectors.EVENT_READ)
                         continue
+                    if s not in peer:  # closed earlier in this batch with its peer
+                        continue
                     try:
                         data = s.recv(1 << 16)
                     except OSError:

@@ -653,6 +653,57 @@ def _decode(buf, chain: str, dtype: str, shape, max_bytes: int):
     return idx, _decode_values(arrays, st.coder, dt, k), n, dt
 
 
+class Pieces:
+    """A dense frame decoded a piece at a time, so a consumer touches each piece of the frame
+    once while it is in cache (see :func:`pieces`)."""
+
+    __slots__ = ("data", "coder", "dtype", "n", "width")
+
+    def __init__(self, data: np.ndarray, coder: str, dt: np.dtype, n: int):
+        self.data, self.coder, self.dtype, self.n = data, coder, dt, n
+        self.width = dt.itemsize if coder == "raw" else 2     # encoded bytes per value
+
+    def encoded(self, lo: int, hi: int) -> np.ndarray:
+        """The frame's bytes coding values ``[lo, hi)``."""
+        return self.data[lo * self.width:hi * self.width]
+
+    def values(self, enc: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+        """The values that ``enc`` (from :meth:`encoded`) codes: a view for ``raw``, else
+        decoded into the start of ``scratch`` (1-D, of :attr:`dtype`, long enough)."""
+        if self.coder == "raw":
+            return enc.view(self.dtype)
+        out = scratch[:len(enc) // 2]
+        if self.coder == "fp16":
+            np.take(_half_table(self.dtype), enc.view(np.uint16), out=out)
+        elif self.dtype == np.float32:
+            np.left_shift(enc.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
+        else:
+            wide = np.left_shift(enc.view(np.uint16), 16, dtype=np.uint32)
+            np.copyto(out, wide.view(np.float32))
+        return out
+
+
+def pieces(buf, chain: str, dtype: str, shape, max_bytes: int) -> Pieces | None:
+    """A :class:`Pieces` reader for a frame whose chain codes each value on its own (``raw``,
+    ``fp16`` or ``bf16``, no sparsifier, shuffle or zstd) into a floating ``dtype``; None for
+    any other chain, which is decoded whole. The frame's length is checked here (``BAD_SHAPE``),
+    as :func:`decode` checks it; its values are what :func:`decode` would give, piece by piece."""
+    st = parse_stages(chain)
+    dt = DTYPES.get(dtype)
+    if (dt is None or dt.kind != "f" or st.sparse or st.shuffle or st.zstd
+            or st.coder not in ("raw", "fp16", "bf16")):
+        return None
+    n = math.prod(shape)
+    if n < 0 or n * dt.itemsize > max_bytes:
+        return None     # decode() words the error
+    data = _payload(buf)
+    width = dt.itemsize if st.coder == "raw" else 2
+    if len(data) != n * width:
+        raise WireError(Code.BAD_SHAPE, f"{len(data)} bytes do not match shape {list(shape)} "
+                                        f"of {dtype} ({chain})")
+    return Pieces(data, st.coder, dt, n)
+
+
 def _shaped(a: np.ndarray, shape) -> np.ndarray:
     try:
         return a.reshape(shape)

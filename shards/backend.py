@@ -111,13 +111,13 @@ class NumpyBackend:
             a.dtype == w.dtype and a.ndim == 1 and a.flags.c_contiguous and a.flags.aligned
             for a in (w, *arrays))
 
-    def _chunk_len(self, dtype) -> int:
+    def chunk_len(self, dtype) -> int:
         return max(self.chunk_bytes // dtype.itemsize, 1)
 
     def _chunks(self, n: int, dtype, scratch):
         """``(slice, temporary)`` pairs covering ``range(n)``; every temporary is the start of
         ``scratch`` (of a chunk-sized buffer when None), so it stays in cache."""
-        size = self._chunk_len(dtype)
+        size = self.chunk_len(dtype)
         if scratch is None:
             scratch = np.empty(min(n, size), dtype)
         for lo in range(0, n, size):
@@ -128,7 +128,7 @@ class NumpyBackend:
         if len(grads) == 1:
             np.copyto(out, grads[0])
             return out
-        size = self._chunk_len(out.dtype)
+        size = self.chunk_len(out.dtype)
         for lo in range(0, out.size, size):
             sl = slice(lo, lo + size)
             o = out[sl]

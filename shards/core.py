@@ -32,6 +32,12 @@ log = logging.getLogger("gradbus.shard")
 NAN_POLICIES = ("refuse", "allow")
 
 
+def _weight(ent: dict, dtype) -> np.ndarray | None:
+    """A push's staleness scale ``w`` (0 < w < 1) as a 0-d array of ``dtype``, else None."""
+    w = ent.get("w")
+    return np.asarray(w, dtype=dtype) if isinstance(w, float) and 0.0 < w < 1.0 else None
+
+
 class ShardCore:
     def __init__(self, shard_id: str, *, weights_codec: str = "raw",
                  max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, nan_policy: str = "refuse",
@@ -146,6 +152,7 @@ class ShardCore:
         pst.seq, pst.epoch = seq, max(epoch, pst.epoch)
         sums: dict[str, list] = {}
         rsums: dict[str, list] = {}
+        streams: dict[str, list] = {}
         for idx, ent in enumerate(part["e"]):
             try:
                 op = ent.get("op")
@@ -163,11 +170,17 @@ class ShardCore:
                         raise WireError(Code.BAD_SHAPE,
                                         f"{desc.key}: gradient {desc.dtype}{list(desc.shape)} does "
                                         f"not match {blk.value.dtype}[{blk.value.size}]")
+                    stream = (wire.stream_tensor(desc, frames[i], self.max_tensor_bytes)
+                              if self.backend.name == "numpy" else None)
+                    if stream is not None:    # summed below, in one pass with its checksum
+                        streams.setdefault(desc.key, []).append((idx, ent, desc, frames[i],
+                                                                 stream))
+                        continue
                     # sparse chains come back as (indices, values): scatter-added, never densified
                     at, vals = wire.decode_tensor_sparse(desc, frames[i], self.max_tensor_bytes)
                     vals = self._accepted(desc, vals, ent, pst)
                     if vals is not None:
-                        sums.setdefault(desc.key, []).append((at, vals, desc.count))
+                        sums.setdefault(desc.key, []).append((at, vals, desc.count, 1))
                 elif op == "init":
                     layout = TensorLayout.from_wire(ent["layout"])
                     given = None
@@ -184,13 +197,19 @@ class ShardCore:
                 errors.append([idx, e.code.value, str(e.args[0])])
             except (KeyError, TypeError, ValueError, IndexError) as e:
                 errors.append([idx, Code.BAD_FIELD.value, f"bad entry: {e}"])
+        for key, items in streams.items():
+            self._sum_streams(key, items, pst, sums, errors)
+        applied = 0
         be = self.backend
         for key, grads in sums.items():
-            self.h_pushes.observe(len(grads))
+            n = sum(c for *_, c in grads)      # pushes summed
+            self.h_pushes.observe(n)
+            applied += n
             blk = self.store.blocks[key]
-            dense = [be.asarray(v) for idx, v, _ in grads if idx is None]
-            sparse = [(be.asarray(idx), be.asarray(v)) for idx, v, _ in grads if idx is not None]
-            k = sum(c for _, _, c in grads)     # gradients summed, local steps included
+            dense = [be.asarray(v) for idx, v, _, _ in grads if idx is None]
+            sparse = [(be.asarray(idx), be.asarray(v)) for idx, v, _, _ in grads
+                      if idx is not None]
+            k = sum(c for _, _, c, _ in grads)   # gradients summed, local steps included
             if len(dense) == 1 and not sparse:
                 g = dense[0]
             else:   # the batch's sum in one pass over the dense ones, then the sparse added
@@ -211,10 +230,68 @@ class ShardCore:
             for ids, vals, ts in grads:
                 rows.add(tbl, ids, vals, ts)
             tbl.version += len(grads)
-        applied = sum(len(g) for g in sums.values()) + sum(len(g) for g in rsums.values())
+        applied += sum(len(g) for g in rsums.values())
         self.stats["pushes_applied"] += applied
         self.stats["pushes_refused"] += sum(1 for e in errors)
         return p, seq, epoch, errors, changed, False, publish, touched
+
+    def _sum_streams(self, key: str, items: list, pst, sums: dict, errors: list) -> None:
+        """A key's dense gradients whose frames decode piece by piece (raw, fp16, bf16): after
+        the duplicates are skipped, each piece of every frame is checksummed, decoded, scaled
+        and added into the key's accumulator while it is in cache, one pass over the frames
+        where checking, decoding and summing apart take three. When a checksum does not match
+        or the sum is not finite, the key's gradients go through :meth:`_accepted` one at a
+        time instead, which refuses exactly the bad ones (the sum is the same either way)."""
+        fresh, local = [], set()
+        for item in items:
+            ent, desc = item[1], item[2]
+            ident = (ent.get("c"), ent["m"], desc.key) if "m" in ent else None
+            if ident is not None:
+                if ident in pst.recent or ident in local:
+                    self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
+                    continue
+                local.add(ident)
+            fresh.append(item)
+        if not fresh:
+            return
+        blk = self.store.blocks[key]
+        if len(fresh) > 1 or fresh[0][4].pieces.coder != "raw":   # one raw frame: used as it is
+            acc = self._acc_for(key, blk.value)
+            n, dt = acc.size, acc.dtype
+            step = self.backend.chunk_len(dt)
+            scratch = self._scratch_for(2 * min(step, n), dt)
+            s1, s2 = scratch[:min(step, n)], scratch[min(step, n):]
+            ws = [_weight(item[1], dt) for item in fresh]
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
+                o = acc[lo:hi]
+                for j, item in enumerate(fresh):
+                    v = item[4].read(lo, hi, s1)
+                    if ws[j] is not None:
+                        v = np.multiply(v, ws[j], out=s2[:hi - lo])
+                    if j:
+                        np.add(o, v, out=o)
+                    else:
+                        np.copyto(o, v)
+            if all(item[4].verified() for item in fresh) and (
+                    self.nan_policy != "refuse" or math.isfinite(np.add.reduce(acc, axis=None))
+                    or np.isfinite(acc).all()):
+                for ent, desc in ((item[1], item[2]) for item in fresh):
+                    if "m" in ent:
+                        pst.seen((ent.get("c"), ent["m"], desc.key))
+                # first: the sum below adds any other gradients of the key into this buffer
+                sums.setdefault(key, []).insert(0, (None, acc, sum(item[2].count for item in
+                                                                   fresh), len(fresh)))
+                return
+        for idx, ent, desc, frame, _ in fresh:
+            try:
+                at, vals = wire.decode_tensor_sparse(desc, frame, self.max_tensor_bytes)
+                vals = self._accepted(desc, vals, ent, pst)
+            except WireError as e:
+                errors.append([idx, e.code.value, str(e.args[0])])
+                continue
+            if vals is not None:
+                sums.setdefault(key, []).append((at, vals, desc.count, 1))
 
     def _accepted(self, desc, vals, ent: dict, pst):
         """A decoded gradient's values as they are to be summed: NOT_FINITE when it holds NaN
@@ -227,10 +304,8 @@ class ShardCore:
         if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
             self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
             return None
-        w = ent.get("w")
-        if isinstance(w, float) and 0.0 < w < 1.0:
-            vals = vals * np.asarray(w, dtype=vals.dtype)
-        return vals
+        w = _weight(ent, vals.dtype)
+        return vals if w is None else vals * w
 
     def _row_grad(self, desc, frame, ent: dict, pst, rsums: dict) -> None:
         """Check and decode one pushed rows frame; kept for the batch's sum per row."""

@@ -419,3 +419,106 @@ def test_a_large_snapshot_is_answered_in_parts_of_at_most_a_batch():
     replies = [r for r in rig.replies(b"c") if r["kind"] == "snapshot_reply"]
     assert len(replies) == 5 and sorted(d["k"] for r in replies for d in r["t"]) == sorted(
         layout.block_keys())
+
+
+# ---------------------------------------------------------------- streamed sums
+def _shard_sgd(dtype, n, lr=1.0, nan_policy="refuse"):
+    sc = ShardCore("s", nan_policy=nan_policy)
+    layout = TensorLayout("w", dtype, (n,), n)
+    sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
+                             "rule": {"name": "zeros"}, "opt": {"name": "sgd", "lr": lr}}],
+                     [], []))
+    return sc
+
+
+def _push_batch(sc, seq, encs, entries=None):
+    entries = entries or [{"op": "push", "i": i} for i in range(len(encs))]
+    out = sc.handle(_batch(0, seq, entries, [e[0] for e in encs], [bytes(e[1]) for e in encs]))
+    return unpack(out[0][0])["parts"][0]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("chain", ["raw", "bf16", "fp16"])
+def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, monkeypatch):
+    """Raw, fp16 and bf16 frames of one key are checksummed, decoded, scaled and summed piece
+    by piece: the weights equal the textbook sum of the decoded gradients in batch order, and
+    the whole-frame decoder is never called for them."""
+    n = 3 * ShardCore("x").backend.chunk_len(np.dtype(dtype)) + 17     # a short last piece
+    rng = np.random.default_rng(11)
+    grads = [rng.normal(size=n).astype(dtype) for _ in range(4)]
+    encs = [wire.encode_tensor("w/0", g, chain) for g in grads]
+    entries = [{"op": "push", "i": i} for i in range(4)]
+    entries[2]["w"] = 0.25                   # a staleness-scaled push
+    decoded = [wire.decode_tensor(wire.parse_desc(d), b).reshape(-1) for d, b in encs]
+    decoded[2] = decoded[2] * np.asarray(0.25, dtype)
+    want = decoded[0].copy()
+    for g in decoded[1:]:
+        want += g
+    sc = _shard_sgd(dtype, n)
+
+    def whole(*a, **k):
+        raise AssertionError("a streamable frame was decoded whole")
+    monkeypatch.setattr(wire, "decode_tensor_sparse", whole)
+    res = _push_batch(sc, 2, encs, entries)
+    assert res["errors"] == [] and res["vers"] == {"w/0": 4}
+    assert np.array_equal(sc.store.blocks["w/0"].value, -want)
+    assert sc.stats["pushes_applied"] == 4
+
+
+@pytest.mark.parametrize("chain", ["raw", "bf16"])
+def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain):
+    n = 2 * ShardCore("x").backend.chunk_len(np.dtype(np.float32)) + 5
+    rng = np.random.default_rng(5)
+    grads = [rng.normal(size=n).astype(np.float32) for _ in range(4)]
+    grads[3][n - 1] = np.nan                                   # in the last piece
+    encs = [wire.encode_tensor("w/0", g, chain) for g in grads]
+    corrupt = bytearray(bytes(encs[1][1]))
+    corrupt[len(corrupt) // 2] ^= 0x10
+    encs[1] = (encs[1][0], bytes(corrupt))
+    sc = _shard_sgd("float32", n)
+    res = _push_batch(sc, 2, encs)
+    assert sorted(e[:2] for e in res["errors"]) == [[1, "BAD_CHECKSUM"], [3, "NOT_FINITE"]]
+    good = [wire.decode_tensor(wire.parse_desc(encs[i][0]), encs[i][1]).reshape(-1)
+            for i in (0, 2)]
+    assert np.array_equal(sc.store.blocks["w/0"].value, -(good[0] + good[1]))
+    assert sc.stats["pushes_applied"] == 2 and sc.stats["pushes_refused"] == 2
+    # nan_policy allow: the non-finite one is summed in, the corrupt one still refused
+    sc = _shard_sgd("float32", n, nan_policy="allow")
+    res = _push_batch(sc, 2, encs)
+    assert [e[:2] for e in res["errors"]] == [[1, "BAD_CHECKSUM"]]
+    assert np.isnan(sc.store.blocks["w/0"].value[n - 1])
+
+
+def test_streamed_sum_skips_resent_gradients_in_and_across_batches():
+    n = 1000
+    g = np.arange(n, dtype=np.float32)
+    enc = wire.encode_tensor("w/0", g)
+    sc = _shard_sgd("float32", n)
+    ident = {"op": "push", "i": 0, "c": "client-a", "m": 7}
+    res = _push_batch(sc, 2, [enc, enc], [ident, {**ident, "i": 1}])
+    assert res["errors"] == [] and res["vers"] == {"w/0": 1}
+    other = wire.encode_tensor("w/0", np.ones(n, np.float32))
+    res = _push_batch(sc, 3, [enc, other], [ident, {"op": "push", "i": 1, "c": "client-a",
+                                                    "m": 8}])
+    assert res["vers"] == {"w/0": 2}
+    assert np.array_equal(sc.store.blocks["w/0"].value, -(g + 1))
+    assert sc.stats["duplicates_skipped"] == 2
+
+
+def test_streamed_sum_with_other_dense_and_sparse_gradients_of_the_key():
+    """Streamed frames, frames decoded whole (int8) and a sparse one, all for one key."""
+    n = 3000
+    rng = np.random.default_rng(9)
+    gs = [rng.normal(size=n) for _ in range(5)]
+    encs = [wire.encode_tensor("w/0", gs[0]), wire.encode_tensor("w/0", gs[1], "int8"),
+            wire.encode_tensor("w/0", gs[2]), wire.encode_tensor("w/0", gs[3], "int8"),
+            wire.encode_tensor("w/0", gs[4], "topk:0.1")]
+    dec = [wire.decode_tensor(wire.parse_desc(d), b).reshape(-1) for d, b in encs]
+    sc = _shard_sgd("float64", n)
+    res = _push_batch(sc, 2, encs)
+    assert res["errors"] == [] and res["vers"] == {"w/0": 5}
+    want = dec[0] + dec[2]      # the streamed pair first, then the others in batch order
+    want += dec[1]
+    want += dec[3]
+    want += dec[4]
+    np.testing.assert_array_equal(sc.store.blocks["w/0"].value, -want)

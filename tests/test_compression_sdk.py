@@ -28,6 +28,39 @@ def test_error_feedback_delivers_everything_eventually(make_cluster):
         assert st["ratio"] > 5          # 5% of the values + their indices
 
 
+@pytest.mark.parametrize("codec", ["bf16", "fp16"])
+def test_error_feedback_in_one_pass_for_half_precision(make_cluster, codec):
+    """fp16/bf16 feedback is computed a piece at a time into a reused buffer: over many pushes
+    of a multi-block tensor, sent + residual still equals what was pushed, and the residual is
+    bit for bit the one the general encoder's arithmetic gives."""
+    from gradbus.codecs import tensor as tcodec
+    cluster = make_cluster(1)
+    n = 150_000                      # several blocks, one of them short
+    rng = np.random.default_rng(4)
+    with gradbus.connect(cluster.url, seed=0, block_bytes=256 << 10) as c:
+        c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        keys = c._layouts(["w"])["w"].block_keys()
+        assert len(keys) >= 3
+        total, want = np.zeros(n), {}
+        for step in range(12):
+            g = (rng.standard_normal(n) * 10.0 ** rng.integers(-6, 2, n)).astype(np.float32)
+            total += g
+            layout = c._layouts(["w"])["w"]
+            for i, key in enumerate(keys):          # the general path's arithmetic
+                a, b = layout.block_range(i)
+                blk = g[a:b] if key not in want else g[a:b] + want[key]
+                _, _, dec = tcodec.encode(blk, codec, want_decoded=True)
+                want[key] = (blk - dec).astype(np.float32)
+            c.push({"w": g}, codec=codec).result(10)
+        for key in keys:
+            assert np.array_equal(c._residual[key], want[key])
+        assert set(c._spare) == set(keys)        # the one-pass path ran, buffers recycled
+        residual = np.concatenate([c._residual[k] for k in keys])
+        w = c.pull(["w"], min_version=12)["w"]
+        np.testing.assert_allclose(-w.astype(np.float64) + residual, total,
+                                   rtol=1e-5, atol=1e-5 * np.abs(total).max())
+
+
 def test_without_error_feedback_the_remainder_is_lost(make_cluster):
     cluster = make_cluster(1)
     n = 2000
@@ -92,6 +125,15 @@ def test_back_pressure_keeps_error_feedback_and_held_back_sums(make_cluster):
         assert before.keys() == c._residual.keys()
         for k in before:
             assert np.array_equal(before[k], c._residual[k])
+        c.flush()
+        c.init({"h": np.zeros(64, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        c.push({"h": np.full(64, 1 / 3, np.float32)}, codec="bf16").result(10)
+        # the second push's feedback reuses the first's spare buffer; it takes the only slot
+        c.push({"h": np.full(64, 1 / 3, np.float32)}, codec="bf16")
+        before = c._residual["h/0"].copy()
+        with pytest.raises(gradbus.BackPressureError):
+            c.push({"h": np.full(64, 0.1, np.float32)}, codec="bf16", timeout=0.01)
+        assert np.array_equal(before, c._residual["h/0"]) and before.any()
         c.flush()
         c.accumulate(every=2)
         c.push({"w": np.ones(64)})

@@ -379,7 +379,7 @@ def _encode_values(v: np.ndarray, coder: str, rng: np.random.Generator) -> list[
     return sign_encode(x)
 
 
-def _decode_values(arrays: list[np.ndarray], coder: str, dt: np.dtype, k: int) -> np.ndarray:
+def decode_values(arrays: list[np.ndarray], coder: str, dt: np.dtype, k: int) -> np.ndarray:
     """The ``k`` values of ``dt`` that ``arrays`` (from :func:`_encode_values`) stand for."""
     if coder == "raw":
         return arrays[0]
@@ -551,7 +551,7 @@ def encode(arr: np.ndarray, chain: str = "raw", rng: np.random.Generator | None 
     applied, buf = assemble(st, prefix, arrays)
     if not want_decoded:
         return applied, buf
-    decoded = _decode_values(arrays, st.coder, a.dtype, len(values))
+    decoded = decode_values(arrays, st.coder, a.dtype, len(values))
     if st.sparse:
         dense = np.zeros(flat.size, a.dtype)
         dense[idx] = decoded
@@ -650,6 +650,16 @@ def _decompress(data: np.ndarray, limit: int, exact: bool, shape) -> np.ndarray:
 
 def _decode(buf, chain: str, dtype: str, shape, max_bytes: int):
     """Validate and decode a frame: ``(indices or None, values, n, dtype)``."""
+    idx, arrays, coder, dt, k, n = decode_staged(buf, chain, dtype, shape, max_bytes)
+    return idx, decode_values(arrays, coder, dt, k), n, dt
+
+
+def decode_staged(buf, chain: str, dtype: str, shape, max_bytes: int):
+    """Validate a frame and undo every stage but the value coder: ``(indices or None, arrays,
+    coder, dtype, k, n)``, where :func:`decode_values` of ``(arrays, coder, dtype, k)`` gives
+    the ``k`` values (at ``indices`` among ``n`` for a sparsified chain). For a receiver that
+    decodes the values elsewhere (a shard on a GPU copies the int8 or sign codes, not the
+    floats they stand for). Lengths, counts and indices are all checked here."""
     st = parse_stages(chain)
     dt = DTYPES.get(dtype)
     if dt is None:
@@ -660,7 +670,7 @@ def _decode(buf, chain: str, dtype: str, shape, max_bytes: int):
         if len(data) != n * dt.itemsize:
             raise WireError(Code.BAD_SHAPE, f"{len(data)} bytes do not match shape "
                                             f"{list(shape)} of {dtype} ({chain})")
-        return None, data.view(dt), n, dt
+        return None, [data.view(dt)], "raw", dt, n, n
     if n < 0:
         raise WireError(Code.BAD_SHAPE, f"shape {list(shape)} has a negative dimension")
     if n * dt.itemsize > max_bytes:
@@ -698,7 +708,7 @@ def _decode(buf, chain: str, dtype: str, shape, max_bytes: int):
         part = body[offset:offset + sdt.itemsize * count]
         offset += len(part)
         arrays.append(_unshuffle(part, sdt) if st.shuffle else part.view(sdt))
-    return idx, _decode_values(arrays, st.coder, dt, k), n, dt
+    return idx, arrays, st.coder, dt, k, n
 
 
 class Pieces:

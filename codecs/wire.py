@@ -347,13 +347,13 @@ def _checked(desc: TensorDesc, frame, verify: bool):
     return buf
 
 
-def decode_tensor_sparse(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BYTES,
-                         verify: bool = True):
-    """Checksum then decode without densifying: ``(indices or None, values)`` (see
-    :func:`gradbus.codecs.tensor.decode_sparse`); dense chains give ``(None, flat array)``."""
-    idx, values = tcodec.decode_sparse(_checked(desc, frame, verify), desc.codec, desc.dtype,
-                                       desc.shape, max_tensor_bytes)
-    return idx, values.reshape(-1) if idx is None else values
+def decode_tensor_staged(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BYTES):
+    """Checksum, then every stage but the value coder (see
+    :func:`gradbus.codecs.tensor.decode_staged`): ``(indices or None, arrays, coder, dtype, k)``
+    for a backend's ``decode_values``."""
+    idx, arrays, coder, dt, k, _ = tcodec.decode_staged(_checked(desc, frame, True), desc.codec,
+                                                        desc.dtype, desc.shape, max_tensor_bytes)
+    return idx, arrays, coder, dt, k
 
 
 class TensorStream:
@@ -380,7 +380,7 @@ class TensorStream:
 
 def stream_tensor(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BYTES):
     """A :class:`TensorStream` over a dense frame whose values decode one by one (raw, fp16,
-    bf16), its length already checked; None for other chains (use :func:`decode_tensor_sparse`).
+    bf16), its length already checked; None for other chains (use :func:`decode_tensor_staged`).
     Reading it costs one pass over the frame where checksum-then-decode costs two or three."""
     pieces = tcodec.pieces(frame_buffer(frame), desc.codec, desc.dtype, desc.shape,
                            max_tensor_bytes)

@@ -4,6 +4,9 @@
 cupy when it imports and sees a device, else numpy). Every backend has the same interface:
 
 * ``xp`` (the array module), ``asarray(a, dtype=None)``, ``to_host(a)`` (a numpy array);
+* ``decode_values(arrays, coder, dtype, k)``: a frame's coded values (see
+  :func:`gradbus.codecs.wire.decode_tensor_staged`) as this backend's array: CuPy copies the
+  int8/sign/fp16/bf16 codes to the device and expands them there;
 * ``sum_into(out, grads)``: ``out = grads[0] + grads[1] + ...``, added in list order;
 * ``sgd_step``, ``momentum_step``, ``adam_step``, ``adagrad_step``: one in-place optimizer step
   from ``g``, the *sum* of ``k`` gradients, applied as ``k`` steps of their mean in closed form
@@ -24,6 +27,8 @@ import math
 import os
 
 import numpy as np
+
+from gradbus.codecs import tensor as tcodec
 
 CHUNK_BYTES = 256 << 10      # per array: a step's 3-5 chunks stay cached between its passes,
                              # and numpy's ~1 us per call is amortized over 64K float32
@@ -105,6 +110,12 @@ class NumpyBackend:
     @staticmethod
     def to_host(a) -> np.ndarray:
         return np.asarray(a)
+
+    @staticmethod
+    def decode_values(arrays, coder: str, dtype, k: int) -> np.ndarray:
+        """The ``k`` values a frame's value section codes (the arrays from
+        :func:`gradbus.codecs.wire.decode_tensor_staged`), as this backend's array."""
+        return tcodec.decode_values(arrays, coder, dtype, k)
 
     def _fusable(self, w: np.ndarray, *arrays: np.ndarray) -> bool:
         return self.fused is not None and w.dtype in _JIT_DTYPES and all(
@@ -321,6 +332,14 @@ _SUM = (", ".join(f"raw T g{j}" for j in range(SUM_GROUP)) + ", int32 k, int32 a
         "T s = acc ? total + g0[i] : g0[i];\n"
         + "".join(f"if (k > {j}) s += g{j}[i];\n" for j in range(1, SUM_GROUP))
         + "total = s;")
+# Value decoders (codecs/tensor.py's formats): int8 codes times their block's float32 scale, and
+# sign bits (np.packbits order, 1 = negative) as -+ their block's scale, computed in float32 as
+# the host does, then cast to T.
+_INT8 = ("int8 c, raw float32 s, int64 block", "T out", "out = (T)((float)c * s[i / block]);")
+_SIGN = ("raw uint8 bits, raw float32 s, int64 block", "T out", """
+    const float v = s[i / block];
+    out = (T)(((bits[i >> 3] >> (7 - (i & 7))) & 1) ? -v : v);
+""")
 # Indices outside [0, n) are skipped: checking them would cost a host sync.
 _SCATTER_ADD = ("T value, I index, int64 n", "raw T dense",
                 "if (index >= 0 && index < n) atomicAdd(&dense[index], value);")
@@ -351,12 +370,33 @@ class CupyBackend:
         self._sgd, self._momentum = kernel("sgd", _SGD), kernel("momentum", _MOMENTUM)
         self._adam, self._adagrad = kernel("adam", _ADAM), kernel("adagrad", _ADAGRAD)
         self._sum, self._scatter_add = kernel("sum", _SUM), kernel("scatter_add", _SCATTER_ADD)
+        self._int8, self._sign = kernel("int8", _INT8), kernel("sign", _SIGN)
 
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype)
 
     def to_host(self, a) -> np.ndarray:
         return self.xp.asnumpy(a)
+
+    def decode_values(self, arrays, coder: str, dtype, k: int):
+        """The values decoded on the device: only the coded bytes are copied there (int8 a
+        quarter of float32's, sign a thirty-second), then one kernel expands them."""
+        cp, dt = self.xp, np.dtype(dtype)
+        if coder == "raw":
+            return cp.asarray(arrays[0])
+        if coder == "fp16":     # every half is exact in float32/float64
+            return cp.asarray(arrays[0]).view(cp.float16).astype(dt)
+        if coder == "bf16":
+            out = cp.left_shift(cp.asarray(arrays[0]).astype(cp.uint32), 16).view(cp.float32)
+            return out if dt == np.float32 else out.astype(dt)
+        out = cp.empty(k, dt)
+        if coder == "int8":
+            self._int8(cp.asarray(arrays[1]), cp.asarray(arrays[0]), tcodec.INT8_BLOCK, out)
+        elif coder == "sign":
+            self._sign(cp.asarray(arrays[1]), cp.asarray(arrays[0]), tcodec.SIGN_BLOCK, out)
+        else:
+            raise ValueError(f"no device decoder for {coder!r}")
+        return out
 
     def sum_into(self, out, grads):
         _check_sum(out, grads)

@@ -176,8 +176,7 @@ class ShardCore:
                         streams.setdefault(desc.key, []).append((idx, ent, desc, frames[i],
                                                                  stream))
                         continue
-                    # sparse chains come back as (indices, values): scatter-added, never densified
-                    at, vals = wire.decode_tensor_sparse(desc, frames[i], self.max_tensor_bytes)
+                    at, vals = self._decode(desc, frames[i])
                     vals = self._accepted(desc, vals, ent, pst)
                     if vals is not None:
                         sums.setdefault(desc.key, []).append((at, vals, desc.count, 1))
@@ -285,7 +284,7 @@ class ShardCore:
                 return
         for idx, ent, desc, frame, _ in fresh:
             try:
-                at, vals = wire.decode_tensor_sparse(desc, frame, self.max_tensor_bytes)
+                at, vals = self._decode(desc, frame)
                 vals = self._accepted(desc, vals, ent, pst)
             except WireError as e:
                 errors.append([idx, e.code.value, str(e.args[0])])
@@ -293,19 +292,28 @@ class ShardCore:
             if vals is not None:
                 sums.setdefault(key, []).append((at, vals, desc.count, 1))
 
+    def _decode(self, desc, frame):
+        """A pushed gradient as ``(indices or None, values)`` in the backend's memory: sparse
+        chains are scatter-added, never densified, and the values are decoded by the backend
+        (on a GPU from the coded bytes, so int8 or sign crosses as a quarter or a
+        thirty-second of float32)."""
+        idx, arrays, coder, dt, k = wire.decode_tensor_staged(desc, frame, self.max_tensor_bytes)
+        return idx, self.backend.decode_values(arrays, coder, dt, k)
+
     def _accepted(self, desc, vals, ent: dict, pst):
         """A decoded gradient's values as they are to be summed: NOT_FINITE when it holds NaN
         or Inf (nan_policy refuse), None when it was applied before (a resend through a
         restarted broker), scaled by the entry's ``w`` (staleness-scaled step)."""
+        xp = self.backend.xp if not isinstance(vals, np.ndarray) else np
         # one reduction first (a sum is finite when every value is); exact check only if not
-        if (self.nan_policy == "refuse" and not math.isfinite(np.add.reduce(vals, axis=None))
-                and not np.isfinite(vals).all()):
+        if (self.nan_policy == "refuse" and not math.isfinite(xp.add.reduce(vals, axis=None))
+                and not bool(xp.isfinite(vals).all())):
             raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
         if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
             self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
             return None
         w = _weight(ent, vals.dtype)
-        return vals if w is None else vals * w
+        return vals if w is None else vals * xp.asarray(w)
 
     def _row_grad(self, desc, frame, ent: dict, pst, rsums: dict) -> None:
         """Check and decode one pushed rows frame; kept for the batch's sum per row."""

@@ -458,7 +458,7 @@ def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, monkeyp
 
     def whole(*a, **k):
         raise AssertionError("a streamable frame was decoded whole")
-    monkeypatch.setattr(wire, "decode_tensor_sparse", whole)
+    monkeypatch.setattr(wire, "decode_tensor_staged", whole)
     res = _push_batch(sc, 2, encs, entries)
     assert res["errors"] == [] and res["vers"] == {"w/0": 4}
     assert np.array_equal(sc.store.blocks["w/0"].value, -want)

@@ -174,45 +174,38 @@ def _fp16_encode(a: np.ndarray) -> np.ndarray:
     except that NaN becomes 0x7E00 (with its sign). Integer ops on cache-sized chunks: numpy's
     cast is several times slower on gradients, whose small values are half subnormals."""
     flat = a.reshape(-1)
-    out = np.empty(len(flat), np.uint16)
-    temps = _fp16_temps(min(len(flat), _CHUNK))
-    for i in range(0, len(flat), _CHUNK):
-        _fp16_chunk(flat[i:i + _CHUNK], out[i:i + _CHUNK], *temps)
+    u = flat.view(np.uint32)
+    out = np.empty(len(u), np.uint16)
+    m = min(len(u), _CHUNK)
+    ua, t, s = np.empty(m, np.uint32), np.empty(m, np.uint32), np.empty(m, np.uint32)
+    nan = np.empty(m, bool)
+    for i in range(0, len(u), _CHUNK):
+        uc = u[i:i + _CHUNK]
+        n = len(uc)
+        uac, tc, sc, nc = ua[:n], t[:n], s[:n], nan[:n]
+        np.bitwise_and(uc, 0x7FFFFFFF, out=uac)
+        # subnormal part: |x| below 2**-14 plus 0.5 puts the half's last bit at float32's last
+        # bit, so the float add rounds it; low bits = half subnormal bits (0x400 above the range)
+        np.minimum(uac, _F16_SMALL, out=sc)
+        sf = sc.view(np.float32)
+        np.add(sf, np.float32(0.5), out=sf)
+        # normal part, on |x| clipped to [2**-14, 2**16]: rebias, round to nearest even at bit 13
+        np.clip(uac, _F16_SMALL, _F16_BIG, out=uac)
+        np.right_shift(uac, 13, out=tc)
+        np.bitwise_and(tc, 1, out=tc)
+        np.add(tc, uac, out=tc)
+        np.add(tc, _F16_BIAS, out=tc)
+        np.right_shift(tc, 13, out=tc)
+        np.add(tc, sc, out=tc)          # bits above 15 (0x3F000000 from the 0.5) are cut below
+        np.right_shift(uc, 16, out=sc)
+        np.bitwise_and(sc, 0x8000, out=sc)
+        np.bitwise_or(tc, sc, out=tc)
+        oc = out[i:i + _CHUNK]
+        np.copyto(oc, tc, casting="unsafe")
+        np.isnan(flat[i:i + _CHUNK], out=nc)
+        if nc.any():
+            oc[nc] |= 0x0200            # NaN came out as inf
     return out
-
-
-def _fp16_temps(m: int) -> tuple:
-    return np.empty(m, np.uint32), np.empty(m, np.uint32), np.empty(m, np.uint32), \
-        np.empty(m, bool)
-
-
-def _fp16_chunk(x: np.ndarray, oc: np.ndarray, ua, t, s, nan) -> None:
-    """:func:`_fp16_encode` of the float32 values ``x`` into ``oc``, with the temporaries of
-    :func:`_fp16_temps` (at least as long)."""
-    uc = x.view(np.uint32)
-    n = len(uc)
-    uac, tc, sc, nc = ua[:n], t[:n], s[:n], nan[:n]
-    np.bitwise_and(uc, 0x7FFFFFFF, out=uac)
-    # subnormal part: |x| below 2**-14 plus 0.5 puts the half's last bit at float32's last
-    # bit, so the float add rounds it; low bits = half subnormal bits (0x400 above the range)
-    np.minimum(uac, _F16_SMALL, out=sc)
-    sf = sc.view(np.float32)
-    np.add(sf, np.float32(0.5), out=sf)
-    # normal part, on |x| clipped to [2**-14, 2**16]: rebias, round to nearest even at bit 13
-    np.clip(uac, _F16_SMALL, _F16_BIG, out=uac)
-    np.right_shift(uac, 13, out=tc)
-    np.bitwise_and(tc, 1, out=tc)
-    np.add(tc, uac, out=tc)
-    np.add(tc, _F16_BIAS, out=tc)
-    np.right_shift(tc, 13, out=tc)
-    np.add(tc, sc, out=tc)          # bits above 15 (0x3F000000 from the 0.5) are cut below
-    np.right_shift(uc, 16, out=sc)
-    np.bitwise_and(sc, 0x8000, out=sc)
-    np.bitwise_or(tc, sc, out=tc)
-    np.copyto(oc, tc, casting="unsafe")
-    np.isnan(x, out=nc)
-    if nc.any():
-        oc[nc] |= 0x0200            # NaN came out as inf
 
 
 @functools.cache
@@ -557,46 +550,6 @@ def encode(arr: np.ndarray, chain: str = "raw", rng: np.random.Generator | None 
         dense[idx] = decoded
         decoded = dense
     return applied, buf, decoded.reshape(shape)
-
-
-def encode_feedback(x: np.ndarray, residual: np.ndarray | None, out_residual: np.ndarray,
-                    chain: str):
-    """Error feedback in one pass, for a chain of one per-value coder (``fp16`` or ``bf16``,
-    no sparsifier, shuffle or zstd) on 1-D float32 ``x``: encodes ``t = x + residual`` (``x``
-    when ``residual`` is None) and writes ``t - decode(encode(t))`` into ``out_residual``, a
-    cache-sized piece at a time. Bit for bit what :func:`encode` with ``want_decoded`` and the
-    arithmetic around it give, without their full-size temporaries. Returns ``(applied chain,
-    buffer)``, or None where the chain or the arrays need that general path."""
-    st = parse_stages(chain)
-    if (st.coder not in ("fp16", "bf16") or st.sparse or st.shuffle or st.zstd
-            or x.dtype != np.float32 or x.ndim != 1 or out_residual.dtype != np.float32
-            or out_residual.shape != x.shape or not out_residual.flags.c_contiguous
-            or (residual is not None and (residual.dtype != np.float32
-                                          or residual.shape != x.shape))):
-        return None
-    n = len(x)
-    out = np.empty(n, np.uint16)
-    m = min(n, _CHUNK)
-    dec = np.empty(m, np.float32)
-    bf16 = st.coder == "bf16"
-    temps = None if bf16 else _fp16_temps(m)
-    table = None if bf16 else _half_table(np.dtype(np.float32))
-    with np.errstate(over="ignore", invalid="ignore"):   # casts to inf and NaN are meant
-        for lo in range(0, n, _CHUNK):
-            hi = min(lo + _CHUNK, n)
-            t, enc, d = out_residual[lo:hi], out[lo:hi], dec[:hi - lo]
-            if residual is None:
-                np.copyto(t, x[lo:hi])
-            else:
-                np.add(x[lo:hi], residual[lo:hi], out=t)
-            if bf16:
-                _bf16_chunk(t, enc)
-                np.left_shift(enc, 16, out=d.view(np.uint32), dtype=np.uint32)
-            else:
-                _fp16_chunk(t, enc, *temps)
-                np.take(table, enc, out=d)
-            np.subtract(t, d, out=t)
-    return st.text(False, False), out
 
 
 def assemble(st: Stages, prefix: list, arrays: list):

@@ -194,16 +194,6 @@ def encode_tensor_lossy(key: str, arr: np.ndarray, chain: str, rng=None,
     return _desc(key, arr, applied, buf, version), buf, decoded
 
 
-def encode_tensor_feedback(key: str, arr: np.ndarray, residual, out_residual: np.ndarray,
-                           chain: str):
-    """Error feedback in one pass (see :func:`gradbus.codecs.tensor.encode_feedback`): encode
-    ``arr + residual`` and write what was not sent into ``out_residual``. Returns ``(desc dict,
-    frame buffer)``, or None for chains and arrays that go through
-    :func:`encode_tensor_lossy`."""
-    done = tcodec.encode_feedback(arr, residual, out_residual, chain)
-    return None if done is None else (_desc(key, arr, done[0], done[1], None), done[1])
-
-
 def _encoder(arr):
     """The host codec, or for a GPU array the device one (only compressed bytes cross)."""
     return device.encode if device.is_device(arr) else tcodec.encode

@@ -474,7 +474,6 @@ class Client:
         self._async_errors: list = []
         self.error_feedback = error_feedback
         self._residual: dict[str, np.ndarray] = {}   # block key -> what lossy codecs left unsent
-        self._spare: dict[str, np.ndarray] = {}      # block key -> a free residual-sized buffer
         self._rng = np.random.default_rng(seed)
         self._acc: dict[str, list] = {}              # name -> [sum, count, chain, acks]
         self._acc_lock = threading.Lock()
@@ -676,22 +675,11 @@ class Client:
                 on_device = device.is_device(block)
                 if lossy:
                     res = self._residual.get(key)
-                    done = None
-                    if not on_device:   # fp16/bf16: one pass, into last push's spare buffer
-                        spare = self._spare.pop(key, None)
-                        if spare is None or spare.shape != block.shape:
-                            spare = np.empty(block.shape, block.dtype)
-                        done = wire.encode_tensor_feedback(
-                            key, block, None if res is None else device.to_host(res), spare,
-                            chain)
-                    if done is not None:
-                        (d, buf), residuals[key] = done, spare
-                    else:
-                        if res is not None:     # kept where the gradients live
-                            block = block + (device.array_module(block).asarray(res)
-                                             if on_device else device.to_host(res))
-                        d, buf, decoded = wire.encode_tensor_lossy(key, block, chain, self._rng)
-                        residuals[key] = (block - decoded).astype(block.dtype, copy=False)
+                    if res is not None:     # kept where the gradients live
+                        block = block + (device.array_module(block).asarray(res) if on_device
+                                         else device.to_host(res))
+                    d, buf, decoded = wire.encode_tensor_lossy(key, block, chain, self._rng)
+                    residuals[key] = (block - decoded).astype(block.dtype, copy=False)
                 else:
                     d, buf = wire.encode_tensor(key, block, chain, rng=self._rng)
                     if not on_device:
@@ -702,11 +690,7 @@ class Client:
                 bufs.append(buf)
         extra = {"ver": int(version)} if version is not None else {}
         fut = self._submit_push(descs, bufs, acks, timeout, extra)
-        for key, res in residuals.items():  # only now is the push really on its way
-            old = self._residual.get(key)
-            if isinstance(old, np.ndarray) and old.shape == res.shape and old.dtype == res.dtype:
-                self._spare[key] = old          # the next push's residual is written here
-        self._residual.update(residuals)
+        self._residual.update(residuals)    # only now is the push really on its way
         self.stats["push_raw_bytes"] += sum(f.nbytes for f in flats.values())
         return fut
 

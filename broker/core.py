@@ -34,7 +34,9 @@ FRONT, BACK, PUB = "front", "back", "pub"
 _ACK = "ack"        # internal: (_ACK, client, msg), coalesced into one ACK per client
 ACKED = "acked"     # duplicate-window marker: applied and acknowledged
 
-SHARD_CREDIT = 4                 # batches in flight to one shard before the broker holds back
+SHARD_CREDIT = 2                 # batches in flight to one shard before the broker holds back:
+                                 # one being applied while the next arrives (more only shrinks
+                                 # batches and multiplies weight republishes; see docs)
 MAX_BATCH_BYTES = 64 << 20       # one batch message to a shard carries at most this much tensor data
 MAX_PENDING_BYTES = 512 << 20    # above this the loop stops reading the frontend (back-pressure)
 DEDUPE_WINDOW = 100_000          # (client, msg_id) pairs remembered per client

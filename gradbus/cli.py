@@ -13,6 +13,7 @@ import click
 from gradbus import config
 from gradbus.codecs import net, timing
 from gradbus.codecs.errors import GradbusError
+from gradbus.broker.core import SHARD_CREDIT
 from gradbus.codecs.partition import DEFAULT_PARTITIONS
 
 broker_option = click.option(
@@ -139,7 +140,7 @@ def main() -> None:
               type=click.IntRange(1, 65535), help="Partition count, fixed for the cluster's life.")
 @click.option("--batch-window", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="Seconds to wait gathering pushes into a batch (0: batch what arrived together).")
-@click.option("--shard-credit", default=4, show_default=True, type=click.IntRange(1, 1024),
+@click.option("--shard-credit", default=SHARD_CREDIT, show_default=True, type=click.IntRange(1, 1024),
               help="Batches in flight to one shard.")
 @click.option("--max-pending-mb", default=512, show_default=True, type=click.IntRange(1),
               help="Queued tensor MiB above which the broker stops reading clients.")

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 
 import click
 
+from gradbus.broker.core import SHARD_CREDIT
 from gradbus.codecs import net, timing, wire
 from gradbus.codecs.errors import GradbusError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS
@@ -125,7 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("broker", "batch_window", click.FloatRange(0, 1), 0.0,
             "Seconds to wait gathering pushes into a batch (0: batch what arrived together).",
             feeds=("broker --batch-window",)),
-    Setting("broker", "shard_credit", click.IntRange(1, 1024), 4,
+    Setting("broker", "shard_credit", click.IntRange(1, 1024), SHARD_CREDIT,
             "Batches in flight to one shard.", feeds=("broker --shard-credit",)),
     Setting("broker", "max_pending_mb", click.IntRange(1), 512,
             "Queued tensor MiB above which the broker stops reading clients.",

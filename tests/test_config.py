@@ -17,6 +17,7 @@ from click.core import ParameterSource
 from click.testing import CliRunner
 
 from gradbus import config
+from gradbus.broker.core import SHARD_CREDIT
 from gradbus.cli import main
 from gradbus.cluster import end_processes
 from gradbus.codecs.errors import GradbusError
@@ -146,7 +147,7 @@ def test_precedence_through_a_real_command(tmp_path, monkeypatch):
     with _parse("broker", "--config", f) as ctx:
         assert (ctx.params["port"], ctx.params["partitions"]) == (6001, 64)
         assert ctx.get_parameter_source("port") == ParameterSource.DEFAULT_MAP
-        assert ctx.params["shard_credit"] == 4
+        assert ctx.params["shard_credit"] == SHARD_CREDIT
 
     monkeypatch.setenv("GRADBUS_BROKER_PORT", "6002")
     with _parse("broker", "--config", f) as ctx:

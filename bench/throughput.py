@@ -16,7 +16,8 @@ With ``--curve on`` (or ``both``) the gradbus cluster runs with CurveZMQ on (key
 temporary folder) and the line says ``"curve": true``; the proxy stays plain.
 
 Usage: python bench/throughput.py [--quick] [--seconds S] [--sizes 64K,4M] [--codec raw]
-                                  [--curve off|on|both]
+                                  [--curve off|on|both] [--broker-args '--shard-credit 4']
+                                  [--shard-args '--weights-codec bf16']
 """
 from __future__ import annotations
 
@@ -58,11 +59,11 @@ def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out, curve=False
 
 
 def run_gradbus(nbytes, workers, shards, codec, warmup, seconds, broker_args=(),
-                curve_dir=None) -> dict:
+                curve_dir=None, shard_args=()) -> dict:
     from gradbus.cluster import LocalCluster
     ctx = mp.get_context("spawn")
     with LocalCluster(shards, port=0, broker_args=list(broker_args),
-                      curve_dir=curve_dir) as cluster:
+                      shard_args=list(shard_args), curve_dir=curve_dir) as cluster:
         out = ctx.Queue()
         procs = [ctx.Process(target=_gradbus_worker,
                              args=(cluster.url, i, nbytes, codec, warmup, seconds, out,
@@ -178,6 +179,10 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="4M only, 2 workers, 1 shard, raw and bf16")
     ap.add_argument("--curve", choices=["off", "on", "both"], default="off",
                     help="CurveZMQ on the gradbus cluster")
+    ap.add_argument("--broker-args", default="", help="extra broker flags, e.g. "
+                    "'--shard-credit 4' (the line then names them)")
+    ap.add_argument("--shard-args", default="", help="extra shard flags, e.g. "
+                    "'--weights-codec bf16'")
     a = ap.parse_args(argv)
     curves = {"off": [False], "on": [True], "both": [False, True]}[a.curve]
     keys = tempfile.TemporaryDirectory(prefix="gradbus-bench-keys-")
@@ -190,9 +195,13 @@ def main(argv=None) -> None:
                 proxy = run_proxy(nbytes, w, s, a.warmup, a.seconds)
                 for codec, curve in ((c, v) for c in a.codec.split(",") for v in curves):
                     r = run_gradbus(nbytes, w, s, codec, a.warmup, a.seconds,
-                                    curve_dir=keys.name if curve else None)
+                                    broker_args=a.broker_args.split(),
+                                    curve_dir=keys.name if curve else None,
+                                    shard_args=a.shard_args.split())
+                    extra = {k: v for k, v in (("broker_args", a.broker_args),
+                                               ("shard_args", a.shard_args)) if v}
                     line = {"bench": "throughput", "size": size, "bytes": nbytes, "workers": w,
-                            "shards": s, "codec": codec, "curve": curve, **r,
+                            "shards": s, "codec": codec, "curve": curve, **extra, **r,
                             "proxy_msgs_per_s": round(proxy, 1),
                             "ratio": round(r["pushes_per_s"] / proxy, 3) if proxy else None,
                             "cpus": os.cpu_count()}

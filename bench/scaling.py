@@ -56,10 +56,10 @@ def _worker(url, n, stop, q, probe=0, partitions=1):
 
 def _probe_size(block: int, partitions: int) -> int:
     """Elements of a tensor of ``block``-element blocks with a block in every partition."""
-    from gradbus.codecs.partition import partition_of
+    from gradbus.codecs.partition import block_key, partition_of
     n, seen = 0, set()
     while len(seen) < partitions:
-        seen.add(partition_of(f"probe/{n}", partitions))
+        seen.add(partition_of(block_key("probe", n), partitions))
         n += 1
     return n * block
 

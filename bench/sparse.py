@@ -39,11 +39,11 @@ def _worker(url, args, seed, start, q):
         batches = [draw(rng, args.ids, args.space, args.zipf) for _ in range(64)]
         grads = rng.normal(size=(args.ids, args.dim)).astype(np.float32)
         start.wait()
+        distinct = [len(np.unique(ids)) for ids in batches]    # counted before the clock runs
         n, uniq, t0 = 0, 0, time.perf_counter()
         while time.perf_counter() - t0 < args.seconds:
-            ids = batches[n % len(batches)]
-            c.push_rows("emb", ids, grads)
-            uniq += len(np.unique(ids))
+            c.push_rows("emb", batches[n % len(batches)], grads)
+            uniq += distinct[n % len(batches)]
             n += 1
         c.flush(120)
         dt = time.perf_counter() - t0

@@ -186,6 +186,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     curves = {"off": [False], "on": [True], "both": [False, True]}[a.curve]
     keys = tempfile.TemporaryDirectory(prefix="gradbus-bench-keys-")
+    broker_args, shard_args = a.broker_args.split(), a.shard_args.split()
+    extra = {k: v for k, v in (("broker_args", a.broker_args), ("shard_args", a.shard_args)) if v}
     if a.quick:
         a.sizes, a.workers, a.shards, a.codec = "4M", "2", "1", "raw,bf16"
     for size in a.sizes.split(","):
@@ -195,11 +197,9 @@ def main(argv=None) -> None:
                 proxy = run_proxy(nbytes, w, s, a.warmup, a.seconds)
                 for codec, curve in ((c, v) for c in a.codec.split(",") for v in curves):
                     r = run_gradbus(nbytes, w, s, codec, a.warmup, a.seconds,
-                                    broker_args=a.broker_args.split(),
+                                    broker_args=broker_args,
                                     curve_dir=keys.name if curve else None,
-                                    shard_args=a.shard_args.split())
-                    extra = {k: v for k, v in (("broker_args", a.broker_args),
-                                               ("shard_args", a.shard_args)) if v}
+                                    shard_args=shard_args)
                     line = {"bench": "throughput", "size": size, "bytes": nbytes, "workers": w,
                             "shards": s, "codec": codec, "curve": curve, **extra, **r,
                             "proxy_msgs_per_s": round(proxy, 1),

@@ -134,7 +134,7 @@ class Table:
 
     @property
     def cons(self) -> dict:
-        return self.cfg.get("cons") or specs.consistency_from_wire(None)
+        return self.cfg["cons"]      # table_from_wire always fills it in
 
 
 #: counters exported as ``gradbus_broker_<name>_total``: (name, counters key, help)
@@ -497,7 +497,7 @@ class BrokerCore:
                 routed.append((p, d, fr, tbl.name))
                 rows.setdefault(tbl.name, []).append((p, d.row_ids()))
                 tensors[tbl.name] = tbl
-                decoded += d.shape[0] * d.shape[1] * (8 if d.dtype == "float64" else 4)
+                decoded += d.shape[0] * d.shape[1] * tcodec.DTYPES[d.dtype].itemsize
                 continue
             t, idx = self._block(d.key)
             start, stop = t.layout.block_range(idx)
@@ -1495,11 +1495,11 @@ class BrokerCore:
         for sid in sorted(self.draining):
             src = self.shards[sid]
             for p in sorted(src.partitions):
-                if not self._sync_room(p):
-                    return actions
                 if p in self.moves or p in self.syncing or self.owners[p] is None or (
                         not self._live(self.owners[p])):
                     continue
+                if not self._sync_room(p):
+                    return actions
                 cands = [x for x in targets if not self._holds(x.id, p)]
                 if not cands:    # no other shard can take this copy: let it go (a standby)
                     if sid in self.standbys[p]:
@@ -1724,8 +1724,6 @@ class BrokerCore:
             return []
         actions = []
         for p in range(self.P):
-            if not self._sync_room(p):
-                break
             owner = self.owners[p]
             if owner is None or p in self.lost or not self._live(owner):
                 continue

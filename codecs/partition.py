@@ -31,23 +31,29 @@ def partition_of(key: str, partitions: int) -> int:
 # splitmix64 finalizer and seed(name) = CRC-32 of the name times the 64-bit golden ratio (or,
 # for a table spread over S < P partitions, the (that mod S)-th of its S partitions). The rows
 # of table ``name`` in partition ``p`` travel and are stored under the key ``"name#p"``.
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)     # the 64-bit golden ratio
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
-def mix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer on a uint64 array (wrapping arithmetic)."""
+def mix64(x: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
+    """The splitmix64 finalizer on a uint64 array (wrapping arithmetic): a new array, or with
+    ``tmp`` (scratch of ``x``'s shape) ``x`` itself, mixed in place."""
+    if tmp is None:
+        x = np.array(x, dtype=np.uint64)
+        tmp = np.empty_like(x)
     with np.errstate(over="ignore"):
-        x = x ^ (x >> np.uint64(30))
-        x = x * _M1
-        x = x ^ (x >> np.uint64(27))
-        x = x * _M2
-        return x ^ (x >> np.uint64(31))
+        x ^= np.right_shift(x, _S30, out=tmp)
+        x *= _M1
+        x ^= np.right_shift(x, _S27, out=tmp)
+        x *= _M2
+        x ^= np.right_shift(x, _S31, out=tmp)
+    return x
 
 
 def _seed(name: str) -> np.uint64:
     with np.errstate(over="ignore"):
-        return np.uint64(zlib.crc32(name.encode("utf-8"))) * _GOLDEN
+        return np.uint64(zlib.crc32(name.encode("utf-8"))) * GOLDEN
 
 
 @functools.lru_cache(maxsize=1024)
@@ -55,11 +61,12 @@ def table_partitions(name: str, partitions: int, spread: int = 0) -> np.ndarray:
     """The partitions a table's rows live in: all of them (``spread`` 0 or >= P), or the
     ``spread`` that come first when the partitions are ordered by mix64(p XOR seed(name))."""
     if not spread or spread >= partitions:
-        return np.arange(partitions, dtype=np.int64)
-    order = np.argsort(mix64(np.arange(partitions, dtype=np.uint64) ^ _seed(name)),
-                       kind="stable")
-    out = order[:spread].astype(np.int64)
-    out.flags.writeable = False
+        out = np.arange(partitions, dtype=np.int64)
+    else:
+        order = np.argsort(mix64(np.arange(partitions, dtype=np.uint64) ^ _seed(name)),
+                           kind="stable")
+        out = order[:spread].astype(np.int64)
+    out.flags.writeable = False     # cached: shared by every caller
     return out
 
 

@@ -214,12 +214,15 @@ def _half_table(dt: np.dtype) -> np.ndarray:
     return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(dt)
 
 
-def _fp16_decode(bits: np.ndarray, dt: np.dtype) -> np.ndarray:
-    """Half bits -> ``dt`` (a table lookup: faster than numpy's cast, exact)."""
+def _fp16_decode(bits: np.ndarray, dt: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
+    """Half bits -> ``dt`` (a table lookup: faster than numpy's cast, exact), into ``out``
+    when given."""
+    if out is None:
+        out = np.empty(len(bits), dt)
     if dt == np.float16:
-        return bits.view(np.float16).copy()
+        np.copyto(out, bits.view(np.float16))
+        return out
     table = _half_table(dt)
-    out = np.empty(len(bits), dt)
     for i in range(0, len(bits), _CHUNK):
         np.take(table, bits[i:i + _CHUNK], out=out[i:i + _CHUNK])
     return out
@@ -229,28 +232,24 @@ def _bf16_encode(a: np.ndarray) -> np.ndarray:
     """float32 -> bfloat16 bits (uint16), round to nearest even, NaN -> 0x7FC0."""
     flat = a.reshape(-1)
     out = np.empty(len(flat), np.uint16)
+    # ml_dtypes' cast: bit for bit the (u + 0x7FFF + lsb) >> 16 rule, several times faster than
+    # it in numpy steps; by cache-sized chunks, so the NaN check reads values still in cache
     with np.errstate(over="ignore", invalid="ignore"):
         for i in range(0, len(flat), _CHUNK):
-            _bf16_chunk(flat[i:i + _CHUNK], out[i:i + _CHUNK])
+            x, o = flat[i:i + _CHUNK], out[i:i + _CHUNK]
+            np.copyto(o.view(_BF16), x, casting="unsafe")
+            if not math.isfinite(np.add.reduce(x, axis=None)):      # NaN, inf, or a large sum
+                nan = np.isnan(x)
+                if nan.any():
+                    o[nan] = 0x7FC0           # one NaN, whatever the sign and payload
     return out
 
 
-def _bf16_chunk(x: np.ndarray, out: np.ndarray) -> None:
-    """:func:`_bf16_encode` of the float32 values ``x`` into ``out`` (ml_dtypes' cast: round to
-    nearest even, bit for bit the ``(u + 0x7FFF + lsb) >> 16`` rule, several times faster than
-    it in numpy steps). The caller silences float warnings."""
-    np.copyto(out.view(_BF16), x, casting="unsafe")
-    if not math.isfinite(np.add.reduce(x, axis=None)):      # NaN, inf, or a large sum
-        nan = np.isnan(x)
-        if nan.any():
-            out[nan] = 0x7FC0           # one NaN, whatever the sign and payload
-
-
-def _bf16_decode(bits: np.ndarray) -> np.ndarray:
-    """bfloat16 bits -> float32."""
-    out = np.empty(len(bits), np.uint32)
-    np.left_shift(bits, 16, out=out, dtype=np.uint32)
-    return out.view(np.float32)
+def _bf16_decode(bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """bfloat16 bits -> float32, into ``out`` (float32) when given."""
+    wide = np.empty(len(bits), np.uint32) if out is None else out.view(np.uint32)
+    np.left_shift(bits, 16, out=wide, dtype=np.uint32)
+    return wide.view(np.float32)
 
 
 # ------------------------------------------------------------------ int8 / sign
@@ -672,7 +671,7 @@ class Pieces:
 
     def __init__(self, data: np.ndarray, coder: str, dt: np.dtype, n: int):
         self.data, self.coder, self.dtype, self.n = data, coder, dt, n
-        self.width = dt.itemsize if coder == "raw" else 2     # encoded bytes per value
+        self.width = _values_len(coder, dt, 1)     # encoded bytes per value
 
     def encoded(self, lo: int, hi: int) -> np.ndarray:
         """The frame's bytes coding values ``[lo, hi)``."""
@@ -683,14 +682,12 @@ class Pieces:
         decoded into the start of ``scratch`` (1-D, of :attr:`dtype`, long enough)."""
         if self.coder == "raw":
             return enc.view(self.dtype)
-        out = scratch[:len(enc) // 2]
+        bits, out = enc.view(np.uint16), scratch[:len(enc) // 2]
         if self.coder == "fp16":
-            np.take(_half_table(self.dtype), enc.view(np.uint16), out=out)
-        elif self.dtype == np.float32:
-            np.left_shift(enc.view(np.uint16), 16, out=out.view(np.uint32), dtype=np.uint32)
-        else:
-            wide = np.left_shift(enc.view(np.uint16), 16, dtype=np.uint32)
-            np.copyto(out, wide.view(np.float32))
+            return _fp16_decode(bits, self.dtype, out)
+        if self.dtype == np.float32:
+            return _bf16_decode(bits, out)
+        np.copyto(out, _bf16_decode(bits))
         return out
 
 
@@ -708,8 +705,7 @@ def pieces(buf, chain: str, dtype: str, shape, max_bytes: int) -> Pieces | None:
     if n < 0 or n * dt.itemsize > max_bytes:
         return None     # decode() words the error
     data = _payload(buf)
-    width = dt.itemsize if st.coder == "raw" else 2
-    if len(data) != n * width:
+    if len(data) != _values_len(st.coder, dt, n):
         raise WireError(Code.BAD_SHAPE, f"{len(data)} bytes do not match shape {list(shape)} "
                                         f"of {dtype} ({chain})")
     return Pieces(data, st.coder, dt, n)

@@ -105,10 +105,12 @@ def progress_line(index: int, line: str, done: dict, echo=print) -> dict | None:
     except ValueError:
         echo(line.rstrip())
         return None
-    if isinstance(msg, dict) and msg.get("done"):
+    if not isinstance(msg, dict):
+        return None
+    if msg.get("done"):
         done[index] = msg
         return None
-    return msg if isinstance(msg, dict) else None
+    return msg
 
 
 def worker_line(index: int, line: str, done: dict, echo=print) -> None:

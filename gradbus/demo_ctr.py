@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
 import gradbus
-from gradbus.demo import when_ready
+from gradbus.demo import cluster_at, progress_line, run_workers, when_ready
+from gradbus.demo_model import iterate_minibatches
 
 __all__ = [
     "DEFAULT_BATCH",
@@ -392,17 +394,6 @@ class CTRModel:
 
 
 # -- training against a gradbus client --------------------------------------------------------
-def iterate_minibatches(x: np.ndarray, y: np.ndarray, batch: int,
-                        rng: np.random.Generator) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """One epoch of ``(x_batch, y_batch)`` in an order shuffled by ``rng``."""
-    if batch <= 0:
-        raise ValueError("batch must be positive")
-    order = rng.permutation(len(x))
-    for start in range(0, len(x), batch):
-        idx = order[start:start + batch]
-        yield x[idx], y[idx]
-
-
 def _gather(client, ids: np.ndarray, fields: int):
     """Rows of both tables for feature ids ``[B, F]``: ``(uniq, inverse, emb [B, F, dim],
     lin [B, F, 1])``, each distinct id pulled once."""
@@ -527,9 +518,6 @@ def run(workers: int = 2, shards: int = 2, epochs: int = DEFAULT_EPOCHS,
         echo=print) -> dict:
     """Start a local cluster (unless given one), train with ``workers`` processes, then score
     the model the server holds against the planted optimum."""
-    import os
-
-    from gradbus.demo import cluster_at, progress_line, run_workers
     t0 = time.perf_counter()
     # one BLAS thread per worker: small matrices, and the cores are shared with the cluster
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",

@@ -128,19 +128,16 @@ def rates(prev: dict | None, cur: dict, dt: float | None = None) -> dict:
             "errors_new": (delta(errors, sum((p.get("errors") or {}).values()))
                            if p else None),
             "last_seen_s": w.get("last_seen_s", 0.0)})
-    tbefore = {t["name"]: t for t in (prev or {}).get("tensors", [])}
-    tensors = [{"name": t["name"], "version": t.get("version", 0),
-                "version_rate": _rate(t.get("version", 0),
-                                      tbefore[t["name"]].get("version", 0)
-                                      if t["name"] in tbefore else None, dt)}
-               for t in cur.get("tensors", [])]
-    tabbefore = {t["name"]: t for t in (prev or {}).get("tables", [])}
-    tables = [{"name": t["name"], "rows": t.get("rows", 0), "bytes": t.get("bytes", 0),
-               "version": t.get("version", 0),
-               "version_rate": _rate(t.get("version", 0),
-                                     tabbefore[t["name"]].get("version", 0)
-                                     if t["name"] in tabbefore else None, dt)}
-              for t in cur.get("tables", [])]
+
+    def versioned(kind: str, extra=()) -> list[dict]:
+        """Tensors or tables with their version and its rate since the last status."""
+        before = {t["name"]: t.get("version", 0) for t in (prev or {}).get(kind, [])}
+        return [{"name": t["name"], **{k: t.get(k, 0) for k in extra},
+                 "version": t.get("version", 0),
+                 "version_rate": _rate(t.get("version", 0), before.get(t["name"]), dt)}
+                for t in cur.get(kind, [])]
+    tensors = versioned("tensors")
+    tables = versioned("tables", ("rows", "bytes"))
     perr = (prev or {}).get("errors", {})
     errors = [{"code": code, "count": n, "new": delta(n, perr.get(code, 0))}
               for code, n in sorted(cur.get("errors", {}).items())]

@@ -19,7 +19,7 @@ import numpy as np
 
 import time
 
-from gradbus.codecs import net, stats, wire
+from gradbus.codecs import device, net, stats, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import TensorLayout, row_key, split_row_key
 
@@ -30,6 +30,12 @@ from .store import ParameterStore
 log = logging.getLogger("gradbus.shard")
 
 NAN_POLICIES = ("refuse", "allow")
+
+
+def _ident(ent: dict, desc) -> tuple | None:
+    """A pushed gradient's identity, (client, msg, key), for skipping a resend; None when the
+    entry carries no msg id."""
+    return (ent.get("c"), ent["m"], desc.key) if "m" in ent else None
 
 
 def _weight(ent: dict, dtype) -> np.ndarray | None:
@@ -49,6 +55,7 @@ class ShardCore:
         # Chosen (and any JIT compiled) here, before the shard's loop starts heartbeating.
         self.backend = backend or backend_mod.load()
         self.store = ParameterStore(self.backend)
+        self._on_host = self.backend.xp is np   # raw/fp16/bf16 frames summed as they are read
         self.weights_codec = weights_codec
         self.max_tensor_bytes = max_tensor_bytes
         self.nan_policy = nan_policy
@@ -171,7 +178,7 @@ class ShardCore:
                                         f"{desc.key}: gradient {desc.dtype}{list(desc.shape)} does "
                                         f"not match {blk.value.dtype}[{blk.value.size}]")
                     stream = (wire.stream_tensor(desc, frames[i], self.max_tensor_bytes)
-                              if self.backend.name == "numpy" else None)
+                              if self._on_host else None)
                     if stream is not None:    # summed below, in one pass with its checksum
                         streams.setdefault(desc.key, []).append((idx, ent, desc, frames[i],
                                                                  stream))
@@ -241,21 +248,19 @@ class ShardCore:
         where checking, decoding and summing apart take three. When a checksum does not match
         or the sum is not finite, the key's gradients go through :meth:`_accepted` one at a
         time instead, which refuses exactly the bad ones (the sum is the same either way)."""
-        fresh, local = [], set()
+        fresh, idents = [], set()
         for item in items:
-            ent, desc = item[1], item[2]
-            ident = (ent.get("c"), ent["m"], desc.key) if "m" in ent else None
-            if ident is not None:
-                if ident in pst.recent or ident in local:
-                    self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
-                    continue
-                local.add(ident)
+            ident = _ident(item[1], item[2])
+            if ident is not None and (ident in pst.recent or ident in idents):
+                self._skipped_duplicate()
+                continue
+            idents.add(ident)
             fresh.append(item)
         if not fresh:
             return
-        blk = self.store.blocks[key]
-        if len(fresh) > 1 or fresh[0][4].pieces.coder != "raw":   # one raw frame: used as it is
-            acc = self._acc_for(key, blk.value)
+        streams = [item[4] for item in fresh]
+        if len(fresh) > 1 or streams[0].pieces.coder != "raw":   # one raw frame: used as it is
+            acc = self._acc_for(key, self.store.blocks[key].value)
             n, dt = acc.size, acc.dtype
             step = self.backend.chunk_len(dt)
             scratch = self._scratch_for(2 * min(step, n), dt)
@@ -264,20 +269,19 @@ class ShardCore:
             for lo in range(0, n, step):
                 hi = min(lo + step, n)
                 o = acc[lo:hi]
-                for j, item in enumerate(fresh):
-                    v = item[4].read(lo, hi, s1)
-                    if ws[j] is not None:
-                        v = np.multiply(v, ws[j], out=s2[:hi - lo])
+                for j, (stream, w) in enumerate(zip(streams, ws)):
+                    v = stream.read(lo, hi, s1)
+                    if w is not None:
+                        v = np.multiply(v, w, out=s2[:hi - lo])
                     if j:
                         np.add(o, v, out=o)
                     else:
                         np.copyto(o, v)
-            if all(item[4].verified() for item in fresh) and (
+            if all(st.verified() for st in streams) and (
                     self.nan_policy != "refuse" or math.isfinite(np.add.reduce(acc, axis=None))
                     or np.isfinite(acc).all()):
-                for ent, desc in ((item[1], item[2]) for item in fresh):
-                    if "m" in ent:
-                        pst.seen((ent.get("c"), ent["m"], desc.key))
+                for ident in idents - {None}:
+                    pst.seen(ident)
                 # first: the sum below adds any other gradients of the key into this buffer
                 sums.setdefault(key, []).insert(0, (None, acc, sum(item[2].count for item in
                                                                    fresh), len(fresh)))
@@ -304,16 +308,21 @@ class ShardCore:
         """A decoded gradient's values as they are to be summed: NOT_FINITE when it holds NaN
         or Inf (nan_policy refuse), None when it was applied before (a resend through a
         restarted broker), scaled by the entry's ``w`` (staleness-scaled step)."""
-        xp = self.backend.xp if not isinstance(vals, np.ndarray) else np
+        xp = device.array_module(vals)
         # one reduction first (a sum is finite when every value is); exact check only if not
         if (self.nan_policy == "refuse" and not math.isfinite(xp.add.reduce(vals, axis=None))
                 and not bool(xp.isfinite(vals).all())):
             raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
-        if "m" in ent and pst.seen((ent.get("c"), ent["m"], desc.key)):
-            self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
+        ident = _ident(ent, desc)
+        if ident is not None and pst.seen(ident):
+            self._skipped_duplicate()
             return None
         w = _weight(ent, vals.dtype)
         return vals if w is None else vals * xp.asarray(w)
+
+    def _skipped_duplicate(self) -> None:
+        """A gradient applied before (a resend through a restarted broker) was not again."""
+        self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
 
     def _row_grad(self, desc, frame, ent: dict, pst, rsums: dict) -> None:
         """Check and decode one pushed rows frame; kept for the batch's sum per row."""
@@ -336,7 +345,7 @@ class ShardCore:
         res = {"p": p, "seq": seq, "epoch": epoch, "errors": errors, "vers": vers}
         if rows:    # a table's rows are read on request (ROWS), never published
             vers.update({key: tbl.version for key, tbl in rows.items()})
-            res["tr"] = {key.rpartition("#")[0]: [tbl.rows, tbl.nbytes]
+            res["tr"] = {split_row_key(key)[0]: [tbl.rows, tbl.nbytes]
                          for key, tbl in rows.items()}
         if duplicate:
             res["dup"] = True
@@ -519,9 +528,8 @@ class ShardCore:
                 tensors.setdefault(blk.layout.name, {**blk.layout.to_wire(), "opt": blk.opt})
                 blocks.append([key, blk.version])
             for key in sorted(st[p].tables):
-                tbl = self.store.tables[key]
-                tensors.setdefault(split_row_key(key)[0], {"name": split_row_key(key)[0],
-                                                           "table": tbl.cfg})
+                tbl, name = self.store.tables[key], split_row_key(key)[0]
+                tensors.setdefault(name, {"name": name, "table": tbl.cfg})
                 blocks.append([key, tbl.version])
         return {"holds": [[p, st[p].epoch, st[p].seq] for p in ps],
                 "tensors": list(tensors.values()), "blocks": blocks}

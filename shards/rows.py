@@ -19,6 +19,8 @@ from itertools import repeat
 
 import numpy as np
 
+from gradbus.codecs.partition import GOLDEN, mix64
+
 MAX_PENDING = 1 << 16      # ids counted by the frequency filter (per partition) before the
                            # oldest are forgotten: at most 16M per table over 256 partitions
 MIN_CAPACITY = 16
@@ -27,24 +29,8 @@ INIT_CHUNK = 8192           # elements hashed at a time by row_init
 STATE_NAMES = {"sgd": (), "adagrad": ("h",), "ftrl": ("z", "n")}
 STAT_NAMES = ("rows_created", "rows_expired", "rows_filtered", "pending_forgotten")
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 _SEED_MUL = np.uint64(0xD6E8FEB86659FD93)
-
-
-_S11, _S27, _S30, _S31 = (np.uint64(k) for k in (11, 27, 30, 31))
-
-
-def _mix(x: np.ndarray, tmp: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer, in place on a uint64 array; ``tmp`` is scratch of its shape."""
-    with np.errstate(over="ignore"):
-        x ^= np.right_shift(x, _S30, out=tmp)
-        x *= _M1
-        x ^= np.right_shift(x, _S27, out=tmp)
-        x *= _M2
-        x ^= np.right_shift(x, _S31, out=tmp)
-    return x
+_S11 = np.uint64(11)
 
 
 def _uniforms(ids: np.ndarray, seed: int, k: int) -> np.ndarray:
@@ -52,10 +38,10 @@ def _uniforms(ids: np.ndarray, seed: int, k: int) -> np.ndarray:
     column ``c``."""
     with np.errstate(over="ignore"):
         base = np.asarray(ids, np.int64).view(np.uint64) + np.uint64(seed) * _SEED_MUL
-        _mix(base, np.empty_like(base))
-        x = np.add(base[:, None], np.arange(1, k + 1, dtype=np.uint64) * _GOLDEN)
+        mix64(base, np.empty_like(base))
+        x = np.add(base[:, None], np.arange(1, k + 1, dtype=np.uint64) * GOLDEN)
     tmp = np.empty_like(x)
-    _mix(x, tmp)
+    mix64(x, tmp)
     x >>= _S11
     out = tmp.view(np.float64)
     return np.multiply(x.view(np.int64), 1.0 / (1 << 53), out=out)

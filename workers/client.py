@@ -873,8 +873,8 @@ class Client:
         cfg = self._table(name)
         shape = np.shape(ids)
         flat = rows_mod.as_ids(ids)
-        uniq, inv, reqs = rows_mod.read_plan(name, flat, self.partitions, cfg["dim"] * (
-            8 if cfg["dtype"] == "float64" else 4), cfg["spread"])
+        uniq, inv, reqs = rows_mod.read_plan(name, flat, self.partitions, cfg["dim"]
+                                             * tcodec.DTYPES[cfg["dtype"]].itemsize, cfg["spread"])
         # bsp: after a push, the broker holds the read until the step is applied
         step = {"min": self._bsp_next[name]} if name in self._bsp_next else {}
         futs = []
@@ -907,8 +907,7 @@ class Client:
         elif acks not in (0, 1):
             raise ValueError(f"acks must be 0, 1 or 'all', not {acks!r}")
         chain = codec or "raw"
-        tcodec.parse_chain(chain)
-        if tcodec.parse_stages(chain).sparsifier is not None:
+        if tcodec.parse_stages(chain).sparsifier is not None:   # raises on a bad chain
             raise ValueError(f"rows take a dense codec chain, not {chain!r}")
         cfg = self._table(name)
         flat = rows_mod.as_ids(ids)

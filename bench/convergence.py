@@ -13,7 +13,7 @@ import json
 import statistics
 import sys
 
-CONFIGS = [  # (name, codec chain, error feedback, local accumulation)
+CONFIGS = [  # (name, codec chain, error feedback, local accumulation); bf16 is never fed back
     ("raw", "raw", True, 1),
     ("bf16", "bf16", True, 1),
     ("int8", "int8", True, 1),

@@ -162,6 +162,15 @@ def is_lossy(chain: str) -> bool:
     return parse_stages(chain).lossy
 
 
+def drops_more_than_rounding(chain: str) -> bool:
+    """Whether ``chain`` loses more than bf16's rounding: a sparsifier, int8, sign, or fp16
+    (whose range ends at 65504 and whose smallest step is 2**-24). bf16 alone keeps float32's
+    range and rounds each value to nearest (relative error at most 2**-9), what error feedback
+    is not needed for by default."""
+    st = parse_stages(chain)
+    return st.lossy and not (st.sparse is None and st.coder == "bf16")
+
+
 # ------------------------------------------------------------------ fp16 / bf16
 
 _F16_SMALL = np.uint32(0x38800000)            # 2**-14 (smallest normal half), as float32 bits

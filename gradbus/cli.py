@@ -612,7 +612,8 @@ def top(broker_url, interval, once, curve):
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON on the last line.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--error-feedback/--no-error-feedback", default=True, show_default=True,
-              help="Keep what a lossy codec did not send and add it to the next gradient.")
+              help="Keep what a lossy codec did not send and add it to the next gradient "
+                   "(every lossy codec but plain bf16).")
 @click.option("--accumulate", default=1, show_default=True, type=click.IntRange(1, 1000),
               help="Sum this many local steps per push.")
 @click.option("--optimizer", type=click.Choice(["adam", "momentum"]), default="adam",

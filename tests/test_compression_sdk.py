@@ -31,12 +31,14 @@ def test_error_feedback_delivers_everything_eventually(make_cluster):
 @pytest.mark.parametrize("codec", ["bf16", "fp16"])
 def test_error_feedback_in_one_pass_for_half_precision(make_cluster, codec):
     """Over many pushes of a multi-block tensor in fp16/bf16, sent + residual equals what was
-    pushed, and each block's residual is bit for bit the encoder's arithmetic."""
+    pushed, and each block's residual is bit for bit the encoder's arithmetic (bf16 only with
+    ``error_feedback="all"``)."""
     from gradbus.codecs import tensor as tcodec
     cluster = make_cluster(1)
     n = 150_000                      # several blocks, one of them short
     rng = np.random.default_rng(4)
-    with gradbus.connect(cluster.url, seed=0, block_bytes=256 << 10) as c:
+    with gradbus.connect(cluster.url, seed=0, block_bytes=256 << 10,
+                         error_feedback="all" if codec == "bf16" else True) as c:
         c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
         keys = c._layouts(["w"])["w"].block_keys()
         assert len(keys) >= 3
@@ -57,6 +59,31 @@ def test_error_feedback_in_one_pass_for_half_precision(make_cluster, codec):
         w = c.pull(["w"], min_version=12)["w"]
         np.testing.assert_allclose(-w.astype(np.float64) + residual, total,
                                    rtol=1e-5, atol=1e-5 * np.abs(total).max())
+
+
+def test_bf16_rounding_is_fed_back_only_when_asked(make_cluster):
+    """By default a bf16 push keeps no residual and leaves an earlier one alone; with
+    error_feedback="all" it keeps what rounding took; a bad value is refused."""
+    cluster = make_cluster(1)
+    g = np.full(64, 1 / 3, np.float32)           # 1/3 is not a bf16 value
+    with pytest.raises(ValueError, match="error_feedback"):
+        gradbus.connect(cluster.url, error_feedback="yes")
+    with gradbus.connect(cluster.url) as c:
+        c.init({"a": np.zeros(64, np.float32), "b": np.zeros(64, np.float32)},
+               optimizer=gradbus.SGD(lr=1.0))
+        c.push({"a": g}, codec="bf16").result(10)
+        assert "a/0" not in c._residual
+        c.push({"b": g}, codec="int8").result(10)
+        kept = c._residual["b/0"].copy()
+        c.push({"b": g}, codec="bf16").result(10)
+        assert np.array_equal(c._residual["b/0"], kept)
+        c.push({"b": g}, codec="fp16").result(10)          # fp16 is fed back
+        assert not np.array_equal(c._residual["b/0"], kept)
+    with gradbus.connect(cluster.url, error_feedback="all") as c:
+        before = c.pull(["a"])["a"]
+        c.push({"a": g}, codec="bf16|zstd").result(10)
+        sent = before - c.pull(["a"], min_version=2)["a"]    # SGD(lr=1): what was applied
+        assert np.array_equal(c._residual["a/0"], g - sent) and c._residual["a/0"].any()
 
 
 def test_without_error_feedback_the_remainder_is_lost(make_cluster):
@@ -125,12 +152,12 @@ def test_back_pressure_keeps_error_feedback_and_held_back_sums(make_cluster):
             assert np.array_equal(before[k], c._residual[k])
         c.flush()
         c.init({"h": np.zeros(64, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
-        c.push({"h": np.full(64, 1 / 3, np.float32)}, codec="bf16").result(10)
+        c.push({"h": np.full(64, 1 / 3, np.float32)}, codec="fp16").result(10)
         # the second push takes the only slot
-        c.push({"h": np.full(64, 1 / 3, np.float32)}, codec="bf16")
+        c.push({"h": np.full(64, 1 / 3, np.float32)}, codec="fp16")
         before = c._residual["h/0"].copy()
         with pytest.raises(gradbus.BackPressureError):
-            c.push({"h": np.full(64, 0.1, np.float32)}, codec="bf16", timeout=0.01)
+            c.push({"h": np.full(64, 0.1, np.float32)}, codec="fp16", timeout=0.01)
         assert np.array_equal(before, c._residual["h/0"]) and before.any()
         c.flush()
         c.accumulate(every=2)

@@ -432,13 +432,17 @@ class Client:
     ``$GRADBUS_SECURITY_CURVE_SERVER_KEY`` when set; False: CURVE off. A broker that refuses
     the key raises :class:`gradbus.SecurityError` at once. ``curve_configure(sock)`` is called
     on every socket after that setup.
+
+    ``error_feedback``: True keeps what a chain leaves out and adds it to the next push, for
+    every lossy chain but plain ``bf16`` (with or without zstd), whose round-to-nearest error is
+    at most 2**-9 of each value; ``"all"`` for bf16 too; False for none.
     """
 
     def __init__(self, url: str | None = None, *, client_id: bytes | str | None = None,
                  window: int = DEFAULT_WINDOW, timeout: float = DEFAULT_TIMEOUT,
                  block_bytes: int = DEFAULT_BLOCK_BYTES, codec: str = "raw",
                  max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, curve_configure=None,
-                 error_feedback: bool = True, seed: int | None = None,
+                 error_feedback: bool | str = True, seed: int | None = None,
                  window_bytes: int = DEFAULT_WINDOW_BYTES,
                  resend_after: float | None = RESEND_AFTER,
                  curve: security.Curve | bool | None = None):
@@ -447,6 +451,8 @@ class Client:
         if window < 1 or window_bytes < 1:
             raise ValueError("window and window_bytes must be >= 1")
         tcodec.parse_chain(codec)
+        if error_feedback not in (True, False, "all"):
+            raise ValueError(f"error_feedback must be True, False or 'all', not {error_feedback!r}")
         if isinstance(client_id, str):
             client_id = client_id.encode()
         self.client_id = client_id or uuid.uuid4().bytes
@@ -472,7 +478,7 @@ class Client:
         self.window_bytes = window_bytes
         self._credit_held: dict[int, int] = {}   # msg -> bytes, pushes sent and not yet settled
         self._async_errors: list = []
-        self.error_feedback = error_feedback
+        self.error_feedback = error_feedback   # True: chains that drop more than bf16 rounding
         self._residual: dict[str, np.ndarray] = {}   # block key -> what lossy codecs left unsent
         self._rng = np.random.default_rng(seed)
         self._acc: dict[str, list] = {}              # name -> [sum, count, chain, acks]
@@ -609,7 +615,8 @@ class Client:
         The arrays are encoded (or copied) before this returns: the caller may reuse them.
         Blocks while ``window`` pushes are unacknowledged; after ``timeout`` seconds raises
         :class:`BackPressureError`. With a lossy ``codec`` the part of each gradient that was
-        not sent is kept per key and added to the next push (error feedback). With local
+        not sent is kept per key and added to the next push (error feedback; by default not for
+        plain bf16, see the ``error_feedback`` argument of :class:`Client`). With local
         accumulation on (:meth:`accumulate`), gradients are summed here and sent only when a
         key is due; the Future then covers the keys sent by this call (None if none were).
         """
@@ -664,7 +671,8 @@ class Client:
     def _send_push(self, flats: dict, layouts: dict, chain: str, acks: int,
                    version: int | None, timeout: float | None,
                    counts: dict | None = None) -> Future:
-        lossy = self.error_feedback and tcodec.is_lossy(chain)
+        lossy = (tcodec.is_lossy(chain) if self.error_feedback == "all" else
+                 self.error_feedback and tcodec.drops_more_than_rounding(chain))
         descs, bufs, residuals = [], [], {}
         for name, flat in flats.items():
             layout = layouts[name]

@@ -12,11 +12,15 @@ loop) to as many consumers as there are shards. One JSON line per configuration:
     proxy_msgs_per_s  the C proxy's one-way messages per second on the same work
     ratio             pushes_per_s / proxy_msgs_per_s
 
+With ``--repeat N`` each configuration runs N times, each gradbus run right after a proxy run;
+the line gives the medians, the ratio as the median of the N ratios, and ``ratios`` (each run's).
+
 With ``--curve on`` (or ``both``) the gradbus cluster runs with CurveZMQ on (keys made in a
 temporary folder) and the line says ``"curve": true``; the proxy stays plain.
 
 Usage: python bench/throughput.py [--quick] [--seconds S] [--sizes 64K,4M] [--codec raw]
-                                  [--curve off|on|both] [--broker-args '--shard-credit 4']
+                                  [--curve off|on|both] [--repeat N]
+                                  [--broker-args '--shard-credit 4']
                                   [--shard-args '--weights-codec bf16']
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -116,26 +121,46 @@ def _producer(front, nbytes, stop_at):
     ctx.term()
 
 
+class Meter:
+    """Counts events in a window: from the first one ``warmup`` seconds after it is made, for
+    ``seconds``. ``tick()`` per event says whether the window is over; ``rate()`` is the events
+    per second inside it."""
+
+    def __init__(self, warmup: float, seconds: float):
+        self.warmup, self.end = warmup, warmup + seconds
+        self.t0, self.start, self.count, self.now = time.perf_counter(), None, 0, 0.0
+
+    def tick(self) -> bool:
+        self.now = time.perf_counter() - self.t0
+        if self.start is None:
+            if self.now >= self.warmup:
+                self.start = self.now
+        else:
+            self.count += 1
+        return self.start is not None and self.now >= self.end
+
+    def overdue(self, grace: float) -> bool:
+        return time.perf_counter() - self.t0 > self.end + grace
+
+    def rate(self) -> float:
+        elapsed = time.perf_counter() - self.t0 - (self.start or 0.0)
+        return self.count / max(elapsed, 1e-9)
+
+
 def _consumer(back, warmup, seconds, out):
     ctx = zmq.Context()
     s = ctx.socket(zmq.PULL)
     s.rcvhwm = PROXY_HWM
     s.connect(back)
-    n, t0 = 0, time.perf_counter()
-    ta = None
+    meter = Meter(warmup, seconds)
     while True:
         if s.poll(200):
             s.recv_multipart(copy=False)
-            now = time.perf_counter() - t0
-            if ta is None and now >= warmup:
-                ta, n = now, 0
-            elif ta is not None:
-                n += 1
-                if now >= warmup + seconds:
-                    break
-        elif time.perf_counter() - t0 > warmup + seconds + 5:
+            if meter.tick():
+                break
+        elif meter.overdue(5):
             break
-    out.put((n, (time.perf_counter() - t0) - (ta or 0)))
+    out.put(meter.rate())
     s.close(linger=0)
     ctx.term()
 
@@ -165,7 +190,7 @@ def run_proxy(nbytes, producers, consumers, warmup, seconds) -> float:
         p.join(30)
     proxy.terminate()
     proxy.join(5)
-    return sum(n / max(t, 1e-9) for n, t in res)
+    return sum(res)
 
 
 def main(argv=None) -> None:
@@ -179,11 +204,16 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="4M only, 2 workers, 1 shard, raw and bf16")
     ap.add_argument("--curve", choices=["off", "on", "both"], default="off",
                     help="CurveZMQ on the gradbus cluster")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each configuration, interleaved with proxy runs; the line "
+                         "gives the medians and each run's ratio")
     ap.add_argument("--broker-args", default="", help="extra broker flags, e.g. "
                     "'--shard-credit 4' (the line then names them)")
     ap.add_argument("--shard-args", default="", help="extra shard flags, e.g. "
                     "'--weights-codec bf16'")
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error("--repeat must be at least 1")
     curves = {"off": [False], "on": [True], "both": [False, True]}[a.curve]
     keys = tempfile.TemporaryDirectory(prefix="gradbus-bench-keys-")
     broker_args, shard_args = a.broker_args.split(), a.shard_args.split()
@@ -194,19 +224,34 @@ def main(argv=None) -> None:
         nbytes = SIZES[size]
         for w in map(int, a.workers.split(",")):
             for s in map(int, a.shards.split(",")):
-                proxy = run_proxy(nbytes, w, s, a.warmup, a.seconds)
-                for codec, curve in ((c, v) for c in a.codec.split(",") for v in curves):
-                    r = run_gradbus(nbytes, w, s, codec, a.warmup, a.seconds,
-                                    broker_args=broker_args,
-                                    curve_dir=keys.name if curve else None,
-                                    shard_args=shard_args)
-                    line = {"bench": "throughput", "size": size, "bytes": nbytes, "workers": w,
-                            "shards": s, "codec": codec, "curve": curve, **extra, **r,
-                            "proxy_msgs_per_s": round(proxy, 1),
-                            "ratio": round(r["pushes_per_s"] / proxy, 3) if proxy else None,
-                            "cpus": os.cpu_count()}
-                    print(json.dumps(line), flush=True)
+                runs = [(c, v) for c in a.codec.split(",") for v in curves]
+                proxies, results = [], {run: [] for run in runs}
+                for _ in range(a.repeat):   # interleaved: both see the same drift of the machine
+                    proxies.append(run_proxy(nbytes, w, s, a.warmup, a.seconds))
+                    for codec, curve in runs:
+                        results[codec, curve].append(run_gradbus(
+                            nbytes, w, s, codec, a.warmup, a.seconds, broker_args=broker_args,
+                            curve_dir=keys.name if curve else None, shard_args=shard_args))
+                for (codec, curve), rs in results.items():
+                    print(json.dumps(_line(size, nbytes, w, s, codec, curve, extra, rs, proxies)),
+                          flush=True)
 
+
+def _line(size, nbytes, workers, shards, codec, curve, extra, results, proxies) -> dict:
+    """One configuration's JSON line: the medians of its repeats; with more than one repeat,
+    also each repeat's ratio (gradbus over the proxy run just before it)."""
+    ratios = [r["pushes_per_s"] / p if p else None for r, p in zip(results, proxies)]
+    line = {"bench": "throughput", "size": size, "bytes": nbytes, "workers": workers,
+            "shards": shards, "codec": codec, "curve": curve, **extra,
+            **{k: round(statistics.median(r[k] for r in results), 3 if k == "grad_gbps" else 1)
+               for k in results[0]},
+            "proxy_msgs_per_s": round(statistics.median(proxies), 1),
+            "ratio": (round(statistics.median(ratios), 3) if None not in ratios else None),
+            "cpus": os.cpu_count()}
+    if len(results) > 1:
+        line["repeats"] = len(results)
+        line["ratios"] = [round(x, 3) if x is not None else None for x in ratios]
+    return line
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -284,21 +284,31 @@ class Agent(threading.Thread):
             log.warning("broker error: %s %s", h["code"], h["message"])
 
     def _settle(self, h: dict) -> None:
+        """Settle what an ACK (one push, or ``msgs``: several), INIT_OK or ERROR answers. The
+        credit of every push it settles returns at once, after their Futures are resolved."""
         msgs = h.get("msgs") if h["kind"] == wire.ACK else None
         if isinstance(msgs, list) and msgs and all(isinstance(m, int) for m in msgs):
-            for m in msgs:   # one ACK message for several pushes
-                self._settle_one({**h, "msg": m})
+            settled = [m for m in msgs if self._settle_one({**h, "msg": m})]
         else:
-            self._settle_one(h)
+            settled = [h["msg"]] if self._settle_one(h) else []
+        if settled:
+            c = self.c
+            with c._cond:
+                # the credit returns last: flush() never ends before the Future (or the error a
+                # later push() raises) is settled
+                for m in settled:
+                    c._credit_held.pop(m, None)
+                c._cond.notify_all()
 
-    def _settle_one(self, h: dict) -> None:
+    def _settle_one(self, h: dict) -> bool:
+        """Resolve the Future of push ``h["msg"]``; False when it is to be sent again instead."""
         msg = h["msg"]
         c = self.c
         if h["kind"] == wire.ERROR and h["code"] == Code.RECOVERING.value and msg in self.unacked:
             # a restarted broker still hearing from its shards: send it again shortly
             self.unacked[msg][1] = time.monotonic() + RECOVERING_RETRY
             c.stats["recovering_retries"] += 1
-            return
+            return False
         self.unacked.pop(msg, None)
         fut = self.futures.pop(("msg", msg), None)
         if h["kind"] == wire.ERROR:
@@ -313,11 +323,7 @@ class Agent(threading.Thread):
                 c.stats["pushes_acked"] += 1
             if fut is not None and not fut.done():
                 fut.set_result(h)
-        with c._cond:
-            # the credit returns last: flush() never ends before the Future (or the error a
-            # later push() raises) is settled
-            c._credit_held.pop(msg, None)
-            c._cond.notify_all()
+        return True
 
     def _blocks(self, h: dict, frames, keep=None) -> list:
         """Validated, checksummed and decoded ``(key, array, version, base)`` of a message's

@@ -24,7 +24,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 
@@ -36,12 +35,6 @@ import throughput  # noqa: E402  (the proxy measurement and the sizes)
 
 WORKERS = 2
 IN_FLIGHT = 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _broker(front: int, back: int) -> None:
@@ -128,7 +121,7 @@ def _worker(front: int, n: int, work: str, warmup: float, seconds: float, out) -
 
 def run_floor(nbytes: int, work: str, warmup: float, seconds: float) -> float:
     ctx = mp.get_context("spawn")
-    front, back = _free_port(), _free_port()
+    front, back = throughput.free_port(), throughput.free_port()
     n = nbytes // 4
     servers = [ctx.Process(target=_broker, args=(front, back), daemon=True),
                ctx.Process(target=_shard, args=(back, n, work), daemon=True)]
@@ -165,15 +158,11 @@ def main(argv=None) -> None:
         for w in works:
             rates[w].append(run_floor(nbytes, w, a.warmup, a.seconds))
     for w, rs in rates.items():
-        ratios = [r / p for r, p in zip(rs, proxies)]
-        line = {"bench": "floor", "size": a.size, "bytes": nbytes, "workers": WORKERS,
-                "work": w, "pushes_per_s": round(statistics.median(rs), 1),
-                "proxy_msgs_per_s": round(statistics.median(proxies), 1),
-                "ratio": round(statistics.median(ratios), 3), "cpus": os.cpu_count()}
-        if a.repeat > 1:
-            line["ratios"] = [round(x, 3) for x in ratios]
-        print(json.dumps(line), flush=True)
-
+        print(json.dumps({"bench": "floor", "size": a.size, "bytes": nbytes, "workers": WORKERS,
+                          "work": w, "pushes_per_s": round(statistics.median(rs), 1),
+                          "proxy_msgs_per_s": round(statistics.median(proxies), 1),
+                          **throughput.ratio_fields(rs, proxies), "cpus": os.cpu_count()}),
+              flush=True)
 
 if __name__ == "__main__":
     sys.exit(main())

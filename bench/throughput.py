@@ -29,6 +29,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -165,14 +166,15 @@ def _consumer(back, warmup, seconds, out):
     ctx.term()
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def run_proxy(nbytes, producers, consumers, warmup, seconds) -> float:
     ctx = mp.get_context("spawn")
-    import socket
-
-    def free_port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
     front, back = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
     proxy = ctx.Process(target=_proxy, args=(front, back), daemon=True)
     proxy.start()
@@ -237,21 +239,26 @@ def main(argv=None) -> None:
                           flush=True)
 
 
+def ratio_fields(rates: list, proxies: list) -> dict:
+    """``ratio``: the median of each run's rate over the proxy run just before it; with more
+    than one run, also ``repeats`` and each run's ``ratios``."""
+    ratios = [r / p if p else None for r, p in zip(rates, proxies)]
+    out = {"ratio": round(statistics.median(ratios), 3) if None not in ratios else None}
+    if len(ratios) > 1:
+        out["repeats"] = len(ratios)
+        out["ratios"] = [round(x, 3) if x is not None else None for x in ratios]
+    return out
+
+
 def _line(size, nbytes, workers, shards, codec, curve, extra, results, proxies) -> dict:
-    """One configuration's JSON line: the medians of its repeats; with more than one repeat,
-    also each repeat's ratio (gradbus over the proxy run just before it)."""
-    ratios = [r["pushes_per_s"] / p if p else None for r, p in zip(results, proxies)]
-    line = {"bench": "throughput", "size": size, "bytes": nbytes, "workers": workers,
+    """One configuration's JSON line: the medians of its repeats and their ratios."""
+    return {"bench": "throughput", "size": size, "bytes": nbytes, "workers": workers,
             "shards": shards, "codec": codec, "curve": curve, **extra,
             **{k: round(statistics.median(r[k] for r in results), 3 if k == "grad_gbps" else 1)
                for k in results[0]},
             "proxy_msgs_per_s": round(statistics.median(proxies), 1),
-            "ratio": (round(statistics.median(ratios), 3) if None not in ratios else None),
+            **ratio_fields([r["pushes_per_s"] for r in results], proxies),
             "cpus": os.cpu_count()}
-    if len(results) > 1:
-        line["repeats"] = len(results)
-        line["ratios"] = [round(x, 3) if x is not None else None for x in ratios]
-    return line
 
 if __name__ == "__main__":
     sys.exit(main())

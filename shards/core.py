@@ -38,6 +38,13 @@ def _ident(ent: dict, desc) -> tuple | None:
     return (ent.get("c"), ent["m"], desc.key) if "m" in ent else None
 
 
+def _all_finite(vals) -> bool:
+    """No NaN or Inf in ``vals`` (numpy or CuPy): one reduction first (a sum is finite when
+    every value is), the exact check only when the sum is not."""
+    xp = device.array_module(vals)
+    return math.isfinite(xp.add.reduce(vals, axis=None)) or bool(xp.isfinite(vals).all())
+
+
 def _weight(ent: dict, dtype) -> np.ndarray | None:
     """A push's staleness scale ``w`` (0 < w < 1) as a 0-d array of ``dtype``, else None."""
     w = ent.get("w")
@@ -278,8 +285,7 @@ class ShardCore:
                     else:
                         np.copyto(o, v)
             if all(st.verified() for st in streams) and (
-                    self.nan_policy != "refuse" or math.isfinite(np.add.reduce(acc, axis=None))
-                    or np.isfinite(acc).all()):
+                    self.nan_policy != "refuse" or _all_finite(acc)):
                 for ident in idents - {None}:
                     pst.seen(ident)
                 # first: the sum below adds any other gradients of the key into this buffer
@@ -308,17 +314,14 @@ class ShardCore:
         """A decoded gradient's values as they are to be summed: NOT_FINITE when it holds NaN
         or Inf (nan_policy refuse), None when it was applied before (a resend through a
         restarted broker), scaled by the entry's ``w`` (staleness-scaled step)."""
-        xp = device.array_module(vals)
-        # one reduction first (a sum is finite when every value is); exact check only if not
-        if (self.nan_policy == "refuse" and not math.isfinite(xp.add.reduce(vals, axis=None))
-                and not bool(xp.isfinite(vals).all())):
+        if self.nan_policy == "refuse" and not _all_finite(vals):
             raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
         ident = _ident(ent, desc)
         if ident is not None and pst.seen(ident):
             self._skipped_duplicate()
             return None
         w = _weight(ent, vals.dtype)
-        return vals if w is None else vals * xp.asarray(w)
+        return vals if w is None else vals * device.array_module(vals).asarray(w)
 
     def _skipped_duplicate(self) -> None:
         """A gradient applied before (a resend through a restarted broker) was not again."""

@@ -103,6 +103,13 @@ def _logging(verbose: int) -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
 
 
+def _server_process() -> None:
+    """A broker or shard process keeps the memory it frees (gradbus/memory.py)."""
+    from gradbus import memory
+    if not memory.keep_freed_memory():
+        logging.getLogger("gradbus").debug("malloc thresholds left as they are")
+
+
 def _on_signals(stop) -> None:
     def handler(signum, frame):
         stop()
@@ -174,6 +181,7 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
     """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
     with --metrics-port)."""
     _logging(verbose)
+    _server_process()
     from gradbus.broker.server import BrokerServer
     exporter = _exporter(metrics_port, metrics_host, "broker-metrics")
     from gradbus.broker import log as ulog
@@ -248,6 +256,7 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
     if ctx.invoked_subcommand is not None:
         return
     _logging(verbose)
+    _server_process()
     from gradbus.shards.server import ShardServer
     srv = ShardServer(broker_url, shard_id, weights_codec=weights_codec, nan_policy=nan_policy,
                       apply_delay=fault_apply_delay, heartbeat_interval=heartbeat_interval,

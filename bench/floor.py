@@ -12,6 +12,8 @@ batched, validated or republished. ``--work`` says what each side does per push:
     bf16   as raw, with the worker casting to bf16 (ml_dtypes) instead of copying, and the
            shard widening the bits back to float32
 
+The broker and shard keep the memory they free, as gradbus's do (gradbus/memory.py).
+
 In the same run it measures ``zmq.proxy`` as bench/throughput.py does, and prints one JSON line
 per work level with the pipeline's pushes per second and its ratio to the proxy. A gradbus
 ratio near the ``raw`` line's is gradbus adding little to the work itself.
@@ -30,6 +32,8 @@ import sys
 import numpy as np
 import zmq
 
+from gradbus import memory
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import throughput  # noqa: E402  (the proxy measurement and the sizes)
 
@@ -38,6 +42,7 @@ IN_FLIGHT = 32
 
 
 def _broker(front: int, back: int) -> None:
+    memory.keep_freed_memory()          # as gradbus's broker and shard processes do
     ctx = zmq.Context()
     f, b = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
     f.bind(f"tcp://127.0.0.1:{front}")
@@ -69,6 +74,7 @@ def _broker(front: int, back: int) -> None:
 
 def _shard(back: int, n: int, work: str) -> None:
     import xxhash
+    memory.keep_freed_memory()
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(f"tcp://127.0.0.1:{back}")

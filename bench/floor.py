@@ -170,5 +170,6 @@ def main(argv=None) -> None:
                           **throughput.ratio_fields(rs, proxies), "cpus": os.cpu_count()}),
               flush=True)
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -260,5 +260,6 @@ def _line(size, nbytes, workers, shards, codec, curve, extra, results, proxies) 
             **ratio_fields([r["pushes_per_s"] for r in results], proxies),
             "cpus": os.cpu_count()}
 
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -258,10 +258,11 @@ class ShardCore:
         fresh, idents = [], set()
         for item in items:
             ident = _ident(item[1], item[2])
-            if ident is not None and (ident in pst.recent or ident in idents):
-                self._skipped_duplicate()
-                continue
-            idents.add(ident)
+            if ident is not None:
+                if ident in pst.recent or ident in idents:
+                    self._skipped_duplicate()
+                    continue
+                idents.add(ident)
             fresh.append(item)
         if not fresh:
             return
@@ -286,7 +287,7 @@ class ShardCore:
                         np.copyto(o, v)
             if all(st.verified() for st in streams) and (
                     self.nan_policy != "refuse" or _all_finite(acc)):
-                for ident in idents - {None}:
+                for ident in idents:
                     pst.seen(ident)
                 # first: the sum below adds any other gradients of the key into this buffer
                 sums.setdefault(key, []).insert(0, (None, acc, sum(item[2].count for item in

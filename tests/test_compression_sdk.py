@@ -29,7 +29,7 @@ def test_error_feedback_delivers_everything_eventually(make_cluster):
 
 
 @pytest.mark.parametrize("codec", ["bf16", "fp16"])
-def test_error_feedback_in_one_pass_for_half_precision(make_cluster, codec):
+def test_half_precision_residuals_are_the_encoders_arithmetic(make_cluster, codec):
     """Over many pushes of a multi-block tensor in fp16/bf16, sent + residual equals what was
     pushed, and each block's residual is bit for bit the encoder's arithmetic (bf16 only with
     ``error_feedback="all"``)."""

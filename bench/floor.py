@@ -9,8 +9,9 @@ batched, validated or republished. ``--work`` says what each side does per push:
     raw    the worker copies the gradient and checksums the copy (xxh3-64); the shard checksums
            the frame and takes an SGD step with it: the work every raw push needs (the caller
            may reuse its array; a frame is verified before it is applied)
-    bf16   as raw, with the worker casting to bf16 (ml_dtypes) instead of copying, and the
-           shard widening the bits back to float32
+    bf16   as raw, with the worker casting to bf16 instead of copying, and the shard widening
+           the bits back to float32; both with gradbus's own codec (numba's one-pass loops
+           where numba imports, as gradbus uses them)
 
 The broker and shard keep the memory they free, as gradbus's do (gradbus/memory.py).
 
@@ -33,6 +34,7 @@ import numpy as np
 import zmq
 
 from gradbus import memory
+from gradbus.codecs import tensor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import throughput  # noqa: E402  (the proxy measurement and the sizes)
@@ -80,36 +82,35 @@ def _shard(back: int, n: int, work: str) -> None:
     s.connect(f"tcp://127.0.0.1:{back}")
     s.send(b"hello")
     acc, w = np.empty(n, np.float32), np.zeros(n, np.float32)
-    wide = np.empty(n, np.uint32)
+    lr = np.asarray(-1e-6, np.float32)
     while True:
         client, frame = s.recv_multipart(copy=False)
         if work != "none":
             xxhash.xxh3_64_intdigest(frame.buffer)
-            if work == "bf16":
-                bits = np.frombuffer(frame.buffer, np.uint16)
-                g = np.left_shift(bits, 16, out=wide, dtype=np.uint32).view(np.float32)
+            if work == "bf16":    # acc = -lr * widened bits, in one pass where numba imports
+                pieces = tensor.pieces(frame.buffer, "bf16", "float32", (n,), 1 << 40)
+                if not pieces.add_into(acc, True, lr):
+                    np.multiply(pieces.values(pieces.data, np.empty(n, np.float32)), lr,
+                                out=acc)
             else:
-                g = np.frombuffer(frame.buffer, np.float32)
-            np.multiply(g, np.float32(-1e-6), out=acc)     # an SGD step: w -= lr * g
-            w += acc
+                np.multiply(np.frombuffer(frame.buffer, np.float32), lr, out=acc)
+            w += acc                                        # an SGD step: w -= lr * g
         s.send_multipart([client, b"ack"])
 
 
 def _worker(front: int, n: int, work: str, warmup: float, seconds: float, out) -> None:
-    import ml_dtypes
     import xxhash
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(f"tcp://127.0.0.1:{front}")
     g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
-    bf16 = np.dtype(ml_dtypes.bfloat16)
     in_flight, meter = 0, throughput.Meter(warmup, seconds)
     while True:
         while in_flight < IN_FLIGHT:
             if work == "none":
                 frame = g
             elif work == "bf16":
-                frame = g.astype(bf16).view(np.uint16)
+                frame = tensor.encode(g, "bf16")[1]
                 xxhash.xxh3_64_intdigest(frame)
             else:
                 frame = g.copy()

@@ -36,6 +36,7 @@ import ml_dtypes
 import numpy as np
 import zstandard
 
+from . import jit
 from .errors import Code, WireError
 
 #: dtypes a tensor frame may declare.
@@ -180,8 +181,20 @@ _F16_BIAS = np.uint32((0xFFF - 0x38800000) % 2**32)  # rebias; + 0xFFF + last bi
 
 def _fp16_encode(a: np.ndarray) -> np.ndarray:
     """float32 -> IEEE half bits (uint16), round to nearest even; bit-equal to numpy's cast
-    except that NaN becomes 0x7E00 (with its sign). Integer ops on cache-sized chunks: numpy's
-    cast is several times slower on gradients, whose small values are half subnormals."""
+    except that NaN becomes 0x7E00 (with its sign): numba's loop (:mod:`.jit`) where it
+    imports, else :func:`_fp16_encode_numpy`."""
+    fast = jit.loops()
+    flat = np.ascontiguousarray(a).reshape(-1)
+    if fast is None or not flat.flags.aligned:
+        return _fp16_encode_numpy(a)
+    out = np.empty(len(flat), np.uint16)
+    fast["fp16"](flat, flat.view(np.uint32), out)
+    return out
+
+
+def _fp16_encode_numpy(a: np.ndarray) -> np.ndarray:
+    """Integer ops on cache-sized chunks: numpy's cast is several times slower on gradients,
+    whose small values are half subnormals."""
     flat = a.reshape(-1)
     u = flat.view(np.uint32)
     out = np.empty(len(u), np.uint16)
@@ -238,7 +251,18 @@ def _fp16_decode(bits: np.ndarray, dt: np.dtype, out: np.ndarray | None = None) 
 
 
 def _bf16_encode(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), round to nearest even, NaN -> 0x7FC0."""
+    """float32 -> bfloat16 bits (uint16), round to nearest even, NaN -> 0x7FC0: numba's loop
+    (:mod:`.jit`) where it imports, else :func:`_bf16_encode_numpy`."""
+    fast = jit.loops()
+    flat = np.ascontiguousarray(a).reshape(-1)
+    if fast is None or not flat.flags.aligned:
+        return _bf16_encode_numpy(a)
+    out = np.empty(len(flat), np.uint16)
+    fast["bf16"](flat.view(np.uint32), out)
+    return out
+
+
+def _bf16_encode_numpy(a: np.ndarray) -> np.ndarray:
     flat = a.reshape(-1)
     out = np.empty(len(flat), np.uint16)
     # ml_dtypes' cast: bit for bit the (u + 0x7FFF + lsb) >> 16 rule, several times faster than
@@ -698,6 +722,31 @@ class Pieces:
             return _bf16_decode(bits, out)
         np.copyto(out, _bf16_decode(bits))
         return out
+
+    def add_into(self, out: np.ndarray, first: bool, w: np.ndarray | None) -> bool:
+        """``out`` = (``first``) or += the frame's values, times ``w`` (a 0-d array of
+        ``out``'s dtype) when given, in one pass with numba's loop (:mod:`.jit`); the same bits
+        as reading the pieces and adding them. False, with ``out`` untouched, where there is no
+        such loop (``raw``, no numba, ``out`` not a contiguous float32/float64 array)."""
+        fast = jit.loops()
+        if (fast is None or self.coder == "raw" or not isinstance(out, np.ndarray)
+                or out.dtype not in _JIT_FLOATS or not out.flags.c_contiguous
+                or out.size != self.n):
+            return False
+        bits = self.data.view(np.uint16)
+        if not bits.flags.aligned:
+            return False
+        mode = jit.add_mode(first, w is not None)
+        scale = out.dtype.type(1 if w is None else w)
+        if self.coder == "bf16":
+            # scratch per call: the loop runs without the GIL, maybe in two threads at once
+            fast["add_bf16"](bits, out, scale, mode, np.empty(jit.SCRATCH, np.float32))
+        else:
+            fast["add_fp16"](bits, _half_table(out.dtype), out, scale, mode)
+        return True
+
+
+_JIT_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def pieces(buf, chain: str, dtype: str, shape, max_bytes: int) -> Pieces | None:

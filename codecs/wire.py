@@ -364,6 +364,15 @@ class TensorStream:
         self.hasher.update(enc)
         return self.pieces.values(enc, scratch)
 
+    def add_into(self, out: np.ndarray, first: bool, w: np.ndarray | None) -> bool:
+        """The whole frame hashed, then its values set (``first``) or added into ``out``, times
+        ``w`` when given (see :meth:`tcodec.Pieces.add_into`); False, with nothing read, where
+        that takes the pieces one by one (:meth:`read`) instead."""
+        if not self.pieces.add_into(out, first, w):
+            return False
+        self.hasher.update(self.pieces.data)
+        return True
+
     def verified(self) -> bool:
         return self.hasher.intdigest() == self.want
 

@@ -28,6 +28,7 @@ import os
 
 import numpy as np
 
+from gradbus.codecs import jit as codec_jit
 from gradbus.codecs import tensor as tcodec
 
 CHUNK_BYTES = 256 << 10      # per array: a step's 3-5 chunks stay cached between its passes,
@@ -100,7 +101,8 @@ class NumpyBackend:
         process (cached on disk), so no step ever waits on a compiler."""
         self.fused = _numba_loops() if jit is not False else None
         if jit and self.fused is None:
-            raise BackendError("numba does not import; pip install numba or pass jit=None")
+            raise BackendError(f"numba does not import (or {codec_jit.ENV}=0); pip install "
+                               f"numba or pass jit=None")
         self.chunk_bytes = chunk_bytes
 
     @staticmethod
@@ -281,11 +283,14 @@ _LOOPS = {"sgd": (_sgd_loop, 0, 1), "momentum": (_momentum_loop, 1, 4),
 
 @functools.cache
 def _numba_loops() -> dict | None:
-    """The loops compiled for float32 and float64, or None when numba does not import.
+    """The loops compiled for float32 and float64, or None when numba does not import or
+    ``GRADBUS_JIT=0`` (the switch of the codecs' numba loops too).
 
     ``error_model="numpy"``: division follows IEEE (no ZeroDivisionError branch, which would also
     keep LLVM from vectorizing); no fastmath, so results match the numpy path.
     """
+    if os.environ.get(codec_jit.ENV, "1") == "0":
+        return None
     try:
         import numba
         from numba import types

@@ -274,10 +274,16 @@ class ShardCore:
             scratch = self._scratch_for(2 * min(step, n), dt)
             s1, s2 = scratch[:min(step, n)], scratch[min(step, n):]
             ws = [_weight(item[1], dt) for item in fresh]
-            for lo in range(0, n, step):
+            # half-precision frames: each decoded and added in one pass by numba's loop
+            done = 0
+            while done < len(streams) and streams[done].add_into(acc, not done, ws[done]):
+                done += 1
+            if done:
+                streams, ws = streams[done:], ws[done:]
+            for lo in range(0 if streams else n, n, step):
                 hi = min(lo + step, n)
                 o = acc[lo:hi]
-                for j, (stream, w) in enumerate(zip(streams, ws)):
+                for j, (stream, w) in enumerate(zip(streams, ws), done):
                     v = stream.read(lo, hi, s1)
                     if w is not None:
                         v = np.multiply(v, w, out=s2[:hi - lo])
@@ -285,7 +291,7 @@ class ShardCore:
                         np.add(o, v, out=o)
                     else:
                         np.copyto(o, v)
-            if all(st.verified() for st in streams) and (
+            if all(item[4].verified() for item in fresh) and (
                     self.nan_policy != "refuse" or _all_finite(acc)):
                 for ident in idents:
                     pst.seen(ident)

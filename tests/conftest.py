@@ -1,13 +1,17 @@
 """Fixtures: real clusters on ephemeral 127.0.0.1 ports, with deadlines and leak checks."""
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import os
 import threading
 import time
+from unittest import mock
 
 import pytest
 
 from gradbus.cluster import LocalCluster
+from gradbus.codecs import jit
 
 try:   # CI runs the property tests on fixed examples (reproducible); locally they stay random
     from hypothesis import settings as _hyp_settings
@@ -16,6 +20,22 @@ try:   # CI runs the property tests on fixed examples (reproducible); locally th
         _hyp_settings.load_profile("ci")
 except ImportError:
     pass
+
+
+# The half-precision codecs' two paths: numba's loops where numba imports, numpy everywhere.
+JIT_PATHS = ["numpy", pytest.param("numba", marks=pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None, reason="numba is not installed"))]
+
+
+@contextlib.contextmanager
+def jit_path(path: str):
+    """Run the codecs on ``path`` (one of :data:`JIT_PATHS`) inside the block."""
+    if path == "numba":
+        assert jit.loops() is not None
+        yield
+    else:
+        with mock.patch.object(jit, "loops", lambda: None):
+            yield
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition"):

@@ -10,6 +10,7 @@ import functools
 import math
 import tracemalloc
 from fractions import Fraction
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -18,8 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradbus.codecs import tensor, wire
+from gradbus.codecs import jit, tensor, wire
 from gradbus.codecs.errors import Code, WireError
+
+from .conftest import JIT_PATHS, jit_path
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -367,9 +370,11 @@ def float32_bit_patterns(draw):
 
 
 @SETTINGS
+@pytest.mark.parametrize("path", JIT_PATHS)
 @given(a=float32_bit_patterns())
-def test_fp16_fast_path_is_bit_equal_to_numpy_cast(a):
-    applied, buf, out = roundtrip(a, "fp16")
+def test_fp16_fast_path_is_bit_equal_to_numpy_cast(path, a):
+    with jit_path(path):
+        applied, buf, out = roundtrip(a, "fp16")
     got = np.frombuffer(frame_bytes(buf), np.uint16)
     with np.errstate(over="ignore"):
         want = a.astype(np.float16).view(np.uint16)
@@ -379,7 +384,8 @@ def test_fp16_fast_path_is_bit_equal_to_numpy_cast(a):
     assert np.array_equal(got[nan] >> 15, bits(a)[nan] >> 31)   # the sign is kept
 
 
-def test_fp16_fast_path_on_every_exponent_across_chunks():
+@pytest.mark.parametrize("path", JIT_PATHS)
+def test_fp16_fast_path_on_every_exponent_across_chunks(path):
     rng = np.random.default_rng(5)
     n = (1 << 16) * 3 + 17
     u = rng.integers(0, 2**32, n, dtype=np.uint32)
@@ -388,7 +394,8 @@ def test_fp16_fast_path_on_every_exponent_across_chunks():
                          0x7F7FFFFF, 1], np.uint32)
     u[:len(specials)] = specials
     a = u.view(np.float32)
-    got = tensor._fp16_encode(a)
+    with jit_path(path):
+        got = tensor._fp16_encode(a)
     with np.errstate(over="ignore"):
         want = a.astype(np.float16).view(np.uint16)
     nan = np.isnan(a)
@@ -397,11 +404,13 @@ def test_fp16_fast_path_on_every_exponent_across_chunks():
 
 
 @SETTINGS
+@pytest.mark.parametrize("path", JIT_PATHS)
 @given(a=float32_bit_patterns())
-def test_bf16_fast_path_matches_the_reference_rounding(a):
+def test_bf16_fast_path_matches_the_reference_rounding(path, a):
     u = bits(a).astype(np.uint64)
     want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    got = tensor._bf16_encode(a)
+    with jit_path(path):
+        got = tensor._bf16_encode(a)
     nan = np.isnan(a)
     assert np.array_equal(got[~nan], want[~nan])
     assert np.all((got[nan] & 0x7F80) == 0x7F80) and np.all(got[nan] & 0x7F)
@@ -667,3 +676,66 @@ def test_int8_subnormal_block_keeps_its_bound():
     scale = float(int8_scales(frame_bytes(buf), a.size)[0])
     assert scale * 127 >= 6.15e-43
     assert np.all(np.abs(out.astype(np.float64) - a) <= scale * (1 + 2.0**-23) + 2.0**-149)
+
+
+def test_a_numba_that_cannot_compile_leaves_the_numpy_path(monkeypatch):
+    pytest.importorskip("numba")
+
+    def broken(*a):
+        raise RuntimeError("no LLVM here")
+    monkeypatch.setattr(jit, "_compile", broken)
+    assert jit.loops.__wrapped__() is None
+
+
+def test_jit_is_off_with_gradbus_jit_0(monkeypatch):
+    monkeypatch.setenv(jit.ENV, "0")
+    assert jit.loops.__wrapped__() is None
+    a = np.array([1.0, np.nan, 3.0e-6, 70000.0], np.float32)
+    with mock.patch.object(jit, "loops", jit.loops.__wrapped__):
+        assert tensor._fp16_encode(a).tolist() == [0x3C00, 0x7E00, 0x0032, 0x7C00]
+        assert tensor._bf16_encode(a).tolist() == [0x3F80, 0x7FC0, 0x3649, 0x4789]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("chain", ["bf16", "fp16"])
+def test_one_pass_add_equals_reading_the_pieces(chain, dtype):
+    """``Pieces.add_into`` (numba) sets or adds, scaled or not, the same bits as reading the
+    pieces and adding them with numpy, NaN and inf included."""
+    pytest.importorskip("numba")
+    n = 3 * jit.SCRATCH + 5
+    rng = np.random.default_rng(3)
+    a = rng.normal(size=n).astype(dtype)
+    a[[0, 7, n - 1]] = [np.nan, np.inf, -1e-30]
+    _, buf = tensor.encode(a, chain)
+    frame = frame_bytes(buf)
+    base = rng.normal(size=n).astype(dtype)
+    for first in (True, False):
+        for w in (None, np.asarray(0.3, dtype)):
+            pieces = tensor.pieces(frame, chain, np.dtype(dtype).name, (n,), BIG)
+            v = pieces.values(pieces.encoded(0, n), np.empty(n, dtype))
+            v = v * w if w is not None else v
+            want = v.copy() if first else base + v
+            got = base.copy()
+            assert pieces.add_into(got, first, w)
+            assert same_bits(got, want), (first, w)
+
+
+def test_one_pass_add_declines_what_it_cannot_take():
+    pytest.importorskip("numba")
+    a = np.arange(10, dtype=np.float32)
+    _, buf = tensor.encode(a, "bf16")
+    frame = frame_bytes(buf)
+    pieces = tensor.pieces(frame, "bf16", "float32", (10,), BIG)
+    out = np.zeros(20, np.float32)
+    assert not pieces.add_into(out[::2], True, None)            # not contiguous
+    assert not pieces.add_into(np.zeros(10, np.float16), True, None)
+    assert not pieces.add_into(np.zeros(9, np.float32), True, None)
+    odd = np.frombuffer(b"\0" + frame, np.uint8)[1:]            # codes at an odd address
+    assert not tensor.pieces(odd, "bf16", "float32", (10,), BIG).add_into(out[:10], True, None)
+    _, raw = tensor.encode(a, "raw")
+    assert not tensor.pieces(frame_bytes(raw), "raw", "float32", (10,), BIG).add_into(
+        out[:10], True, None)
+    assert np.all(out == 0)
+    with mock.patch.object(jit, "loops", lambda: None):
+        assert not pieces.add_into(out[:10], True, None)
+    assert pieces.add_into(out[:10], True, None) and np.array_equal(out[:10], a)

@@ -154,3 +154,8 @@ def test_numba_required_but_missing_is_a_clear_error(monkeypatch):
     with pytest.raises(backend.BackendError, match="numba"):
         backend.NumpyBackend(jit=True)
     assert backend.NumpyBackend().fused is None
+
+
+def test_gradbus_jit_0_keeps_the_steps_on_numpy(monkeypatch):
+    monkeypatch.setenv("GRADBUS_JIT", "0")
+    assert backend._numba_loops.__wrapped__() is None

@@ -11,6 +11,8 @@ from gradbus.codecs.partition import TensorLayout, partition_of
 from gradbus.shards.core import ShardCore
 from gradbus.workers.cache import WeightCache
 
+from .conftest import JIT_PATHS, jit_path
+
 SGD = {"name": "sgd", "lr": 0.5}
 
 
@@ -437,20 +439,28 @@ def _push_batch(sc, seq, encs, entries=None):
     return unpack(out[0][0])["parts"][0]
 
 
+@pytest.mark.parametrize("path", JIT_PATHS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize("chain", ["raw", "bf16", "fp16"])
-def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, monkeypatch):
+@pytest.mark.parametrize("chain", ["raw", "bf16", "fp16", "bf16,raw,fp16,bf16",
+                                   "fp16,bf16,bf16,raw"])
+def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, path, monkeypatch):
     """Raw, fp16 and bf16 frames of one key are checksummed, decoded, scaled and summed piece
-    by piece: the weights equal the textbook sum of the decoded gradients in batch order, and
-    the whole-frame decoder is never called for them."""
+    by piece (or, half precision with numba, each in one pass): the weights equal the textbook
+    sum of the decoded gradients in batch order, and the whole-frame decoder is never called
+    for them."""
     n = 3 * ShardCore("x").backend.chunk_len(np.dtype(dtype)) + 17     # a short last piece
     rng = np.random.default_rng(11)
     grads = [rng.normal(size=n).astype(dtype) for _ in range(4)]
-    encs = [wire.encode_tensor("w/0", g, chain) for g in grads]
+    chains = (chain.split(",") * 4)[:4]
+    encs = [wire.encode_tensor("w/0", g, c) for g, c in zip(grads, chains)]
     entries = [{"op": "push", "i": i} for i in range(4)]
     entries[2]["w"] = 0.25                   # a staleness-scaled push
+    if chain.startswith("fp16"):
+        entries[0]["w"] = 0.5                # the first, scaled: out = v * w
     decoded = [wire.decode_tensor(wire.parse_desc(d), b).reshape(-1) for d, b in encs]
     decoded[2] = decoded[2] * np.asarray(0.25, dtype)
+    if "w" in entries[0]:
+        decoded[0] = decoded[0] * np.asarray(0.5, dtype)
     want = decoded[0].copy()
     for g in decoded[1:]:
         want += g
@@ -459,14 +469,22 @@ def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, monkeyp
     def whole(*a, **k):
         raise AssertionError("a streamable frame was decoded whole")
     monkeypatch.setattr(wire, "decode_tensor_staged", whole)
-    res = _push_batch(sc, 2, encs, entries)
+    one_pass = []
+    add_into = wire.TensorStream.add_into
+    monkeypatch.setattr(wire.TensorStream, "add_into",
+                        lambda *a: one_pass.append(add_into(*a)) or one_pass[-1])
+    with jit_path(path):
+        res = _push_batch(sc, 2, encs, entries)
     assert res["errors"] == [] and res["vers"] == {"w/0": 4}
+    leading_half = next((i for i, c in enumerate(chains) if c == "raw"), 4)
+    assert one_pass.count(True) == (leading_half if path == "numba" else 0)
     assert np.array_equal(sc.store.blocks["w/0"].value, -want)
     assert sc.stats["pushes_applied"] == 4
 
 
-@pytest.mark.parametrize("chain", ["raw", "bf16"])
-def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain):
+@pytest.mark.parametrize("path", JIT_PATHS)
+@pytest.mark.parametrize("chain", ["raw", "bf16", "fp16"])
+def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain, path):
     n = 2 * ShardCore("x").backend.chunk_len(np.dtype(np.float32)) + 5
     rng = np.random.default_rng(5)
     grads = [rng.normal(size=n).astype(np.float32) for _ in range(4)]
@@ -476,7 +494,8 @@ def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain):
     corrupt[len(corrupt) // 2] ^= 0x10
     encs[1] = (encs[1][0], bytes(corrupt))
     sc = _shard_sgd("float32", n)
-    res = _push_batch(sc, 2, encs)
+    with jit_path(path):
+        res = _push_batch(sc, 2, encs)
     assert sorted(e[:2] for e in res["errors"]) == [[1, "BAD_CHECKSUM"], [3, "NOT_FINITE"]]
     good = [wire.decode_tensor(wire.parse_desc(encs[i][0]), encs[i][1]).reshape(-1)
             for i in (0, 2)]
@@ -484,7 +503,8 @@ def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain):
     assert sc.stats["pushes_applied"] == 2 and sc.stats["pushes_refused"] == 2
     # nan_policy allow: the non-finite one is summed in, the corrupt one still refused
     sc = _shard_sgd("float32", n, nan_policy="allow")
-    res = _push_batch(sc, 2, encs)
+    with jit_path(path):
+        res = _push_batch(sc, 2, encs)
     assert [e[:2] for e in res["errors"]] == [[1, "BAD_CHECKSUM"]]
     assert np.isnan(sc.store.blocks["w/0"].value[n - 1])
 

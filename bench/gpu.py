@@ -1,10 +1,12 @@
 """GPU kernels against the device's copy bandwidth, measured in the same run.
 
 On a CUDA device it times, with CUDA events, the CuPy backend's fused Adam step over 64M float32
-params and its sum of 8 gradients of 64M floats, and prints one JSON line each:
+params, its sum of 8 gradients of 64M floats, and the two in one kernel (a batch of 8 summed
+inside the Adam step, as a shard applies one), and prints one JSON line each:
 
     gbps       bytes read + written per second / 1e9 (Adam: w, g, m, v read, w, m, v written:
-               28 B a param; the sum: 8 gradients read, 1 written: 36 B an element)
+               28 B a param; the sum: 8 gradients read, 1 written: 36 B an element; the sum in
+               the step: 8 gradients and w, m, v read, w, m, v written: 56 B a param)
     copy_gbps  the same for a cupy copy of a 1 GiB array into another (2 GiB moved a copy)
     ratio      gbps / copy_gbps
 
@@ -66,6 +68,9 @@ def main(argv=None) -> int:
     out = cp.empty_like(g)
     print(line("sum_into_8", 36 * n, _seconds(cp, lambda: be.sum_into(out, grads), a.repeats)),
           flush=True)
+    secs = _seconds(cp, lambda: be.adam_step(w, grads, m, v, 8, 8, 1e-3, 0.9, 0.999, 1e-8),
+                    a.repeats)
+    print(line("adam_step_sum_8", 56 * n, secs), flush=True)
     return 0
 
 

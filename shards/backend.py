@@ -11,14 +11,15 @@ cupy when it imports and sees a device, else numpy). Every backend has the same 
 * ``sgd_step``, ``momentum_step``, ``adam_step``, ``adagrad_step``: one in-place optimizer step
   from ``g``, the *sum* of ``k`` gradients, applied as ``k`` steps of their mean in closed form
   (the semantics are stated in ``shards/optim.py``; the coefficients are computed here, once,
-  for every backend);
+  for every backend); where ``sums_in_step`` (CuPy), ``g`` may be a list of up to
+  ``SUM_GROUP`` gradients, summed in list order inside the step's own kernel;
 * ``scatter_add(dense, indices, values)``: ``dense[indices] += values``, duplicates accumulating.
 
 Arrays are flat (1-D), of one dtype. The numpy backend walks them in chunks of ``chunk_bytes``
 per array through one chunk-sized temporary, so every pass after a chunk's first stays in cache.
 With ``jit`` (what ``load()`` asks for: numba when it imports) its float32/float64 steps run as
 numba loops instead: one pass over memory, the same expressions in the same order. The CuPy
-backend runs each step as one fused ElementwiseKernel.
+backend runs each step as one fused ElementwiseKernel, a batch's sum included.
 """
 from __future__ import annotations
 
@@ -94,6 +95,7 @@ class NumpyBackend:
     """Host arrays: chunked numpy, or numba's fused loops for float32/float64 when ``jit``."""
 
     name = "numpy"
+    sums_in_step = False      # steps take one gradient: a batch is summed first (sum_into)
     xp = np
 
     def __init__(self, jit: bool | None = None, chunk_bytes: int = CHUNK_BYTES):
@@ -337,6 +339,23 @@ _SUM = (", ".join(f"raw T g{j}" for j in range(SUM_GROUP)) + ", int32 k, int32 a
         "T s = acc ? total + g0[i] : g0[i];\n"
         + "".join(f"if (k > {j}) s += g{j}[i];\n" for j in range(1, SUM_GROUP))
         + "total = s;")
+
+
+def _sum_then(step: tuple) -> tuple:
+    """A step kernel's source that first sums up to SUM_GROUP gradients (``raw T g0..``, ``k``
+    of them, in list order as _SUM adds them) into its ``g``: a batch's sum and its optimizer
+    step in one pass over memory."""
+    params, outs, body = step
+    rest = params.split(", ", 1)[1]          # the step's own scalars, after "T g"
+    head = ", ".join(f"raw T g{j}" for j in range(SUM_GROUP))
+    total = "T g = g0[i];\n" + "".join(f"if (k > {j}) g += g{j}[i];\n"
+                                        for j in range(1, SUM_GROUP))
+    return f"{head}, int32 k, {rest}", outs, total + body
+
+
+STEPS = {"sgd": _SGD, "momentum": _MOMENTUM, "adam": _ADAM, "adagrad": _ADAGRAD}
+SUM_STEPS = {name: _sum_then(src) for name, src in STEPS.items()}
+
 # Value decoders (codecs/tensor.py's formats): int8 codes times their block's float32 scale, and
 # sign bits (np.packbits order, 1 = negative) as -+ their block's scale, computed in float32 as
 # the host does, then cast to T.
@@ -351,9 +370,12 @@ _SCATTER_ADD = ("T value, I index, int64 n", "raw T dense",
 
 
 class CupyBackend:
-    """CUDA device arrays; each step one fused ElementwiseKernel, launched without a host sync."""
+    """CUDA device arrays; each step one fused ElementwiseKernel, launched without a host sync.
+    A step given a list of up to SUM_GROUP gradients (``sums_in_step``) sums them in the same
+    kernel: one pass over memory for the batch's sum and its step."""
 
     name = "cupy"
+    sums_in_step = True
 
     def __init__(self):
         try:
@@ -374,6 +396,7 @@ class CupyBackend:
 
         self._sgd, self._momentum = kernel("sgd", _SGD), kernel("momentum", _MOMENTUM)
         self._adam, self._adagrad = kernel("adam", _ADAM), kernel("adagrad", _ADAGRAD)
+        self._sum_step = {name: kernel(f"sum_{name}", src) for name, src in SUM_STEPS.items()}
         self._sum, self._scatter_add = kernel("sum", _SUM), kernel("scatter_add", _SCATTER_ADD)
         self._int8, self._sign = kernel("int8", _INT8), kernel("sign", _SIGN)
 
@@ -411,19 +434,31 @@ class CupyBackend:
                       out)
         return out
 
+    def _step(self, name: str, one, g, scalars: tuple, outs: tuple) -> None:
+        """``one`` (the step kernel) on gradient ``g``, or, for a list of gradients, the
+        kernel that sums them first (at most SUM_GROUP: the shard sums longer lists apart).
+        ``outs`` is ``(w, *state)``."""
+        if isinstance(g, (list, tuple)):
+            if not 0 < len(g) <= SUM_GROUP:
+                raise ValueError(f"a summing step takes 1 to {SUM_GROUP} gradients, not {len(g)}")
+            _check_sum(outs[0], g)
+            self._sum_step[name](*g, *g[:1] * (SUM_GROUP - len(g)), len(g), *scalars, *outs)
+        else:
+            one(g, *scalars, *outs)
+
     # scratch: unused (the kernels are fused); kept so every backend takes the same arguments
     def sgd_step(self, w, g, lr: float, scratch=None) -> None:
-        self._sgd(g, lr, w)
+        self._step("sgd", self._sgd, g, (lr,), (w,))
 
     def momentum_step(self, w, g, v, k: int, lr: float, mu: float, scratch=None) -> None:
-        self._momentum(g, *momentum_coefs(k, lr, mu), w, v)
+        self._step("momentum", self._momentum, g, momentum_coefs(k, lr, mu), (w, v))
 
     def adam_step(self, w, g, m, v, k: int, t: int, lr: float, b1: float, b2: float,
                   eps: float, scratch=None) -> None:
-        self._adam(g, *adam_coefs(k, t, lr, b1, b2, eps), w, m, v)
+        self._step("adam", self._adam, g, adam_coefs(k, t, lr, b1, b2, eps), (w, m, v))
 
     def adagrad_step(self, w, g, h, k: int, lr: float, eps: float, scratch=None) -> None:
-        self._adagrad(g, *adagrad_coefs(k), eps, lr, w, h)
+        self._step("adagrad", self._adagrad, g, (*adagrad_coefs(k), eps, lr), (w, h))
 
     def scatter_add(self, dense, indices, values, unique: bool = False) -> None:
         """Indices outside ``[0, dense.size)`` are skipped (atomic adds: repeats sum)."""

@@ -225,6 +225,8 @@ class ShardCore:
             k = sum(c for _, _, c, _ in grads)   # gradients summed, local steps included
             if len(dense) == 1 and not sparse:
                 g = dense[0]
+            elif not sparse and be.sums_in_step and len(dense) <= backend_mod.SUM_GROUP:
+                g = dense       # summed inside the step's kernel: one pass for both
             else:   # the batch's sum in one pass over the dense ones, then the sparse added
                 g = self._acc_for(key, blk.value)
                 if dense:

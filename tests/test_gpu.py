@@ -123,6 +123,25 @@ def test_cupy_steps_match_numpy(gpu, name, dtype, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("count", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", SPECS)
+def test_cupy_summing_step_is_sum_then_step(gpu, name, dtype, count):
+    """A list of gradients is summed inside the step's kernel, in list order: the same as
+    numpy's sum_into, then the step."""
+    w0, grads = data(100_003, dtype, steps=count)
+    w = gpu.asarray(w0)
+    st = backend_steps(gpu, name, w, [[gpu.asarray(g) for g in grads]], count)
+    ref_w = w0.copy()
+    ref_st = backend_steps(NUMPY, name, ref_w, [NUMPY.sum_into(np.empty_like(w0), grads)], count)
+    np.testing.assert_allclose(gpu.to_host(w), ref_w, **TOL[dtype])
+    for key, a in st.items():
+        np.testing.assert_allclose(gpu.to_host(a), ref_st[key], **TOL[dtype])
+    with pytest.raises(ValueError, match="1 to 8 gradients"):
+        backend_steps(gpu, name, w, [[gpu.asarray(grads[0])] * 9], 9)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("count", [1, 5, 8, 19])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_cupy_sum_into_matches_numpy(gpu, dtype, count):

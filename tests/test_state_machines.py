@@ -542,3 +542,39 @@ def test_streamed_sum_with_other_dense_and_sparse_gradients_of_the_key():
     want += dec[3]
     want += dec[4]
     np.testing.assert_array_equal(sc.store.blocks["w/0"].value, -want)
+
+
+def test_a_backend_that_sums_in_its_step_gets_the_batch_as_a_list():
+    """With ``sums_in_step`` (CuPy) up to SUM_GROUP dense gradients of a key go to the step as a
+    list, summed in its kernel; more, or any sparse one, are summed first. Same weights."""
+    from gradbus.shards import backend as bk
+
+    class SumsInStep(bk.NumpyBackend):
+        sums_in_step = True
+        got: list = []
+
+        def sgd_step(self, w, g, lr, scratch=None):
+            self.got.append(len(g) if isinstance(g, list) else None)
+            if isinstance(g, list):
+                g = self.sum_into(np.empty_like(w), g)
+            super().sgd_step(w, g, lr, scratch)
+
+    n = 1000
+    rng = np.random.default_rng(1)
+    for count, sparse in ((3, False), (bk.SUM_GROUP + 1, False), (3, True)):
+        grads = [rng.normal(size=n).astype(np.float32) for _ in range(count)]
+        encs = [wire.encode_tensor("w/0", g, "int8") for g in grads]    # decoded whole
+        if sparse:
+            encs[-1] = wire.encode_tensor("w/0", grads[-1], "topk:0.1")
+        results = []
+        for be in (bk.NumpyBackend(jit=False), SumsInStep(jit=False)):
+            sc = ShardCore("s", backend=be)
+            layout = TensorLayout("w", "float32", (n,), n)
+            sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
+                                     "rule": {"name": "zeros"},
+                                     "opt": {"name": "sgd", "lr": 1.0}}], [], []))
+            assert _push_batch(sc, 2, encs)["errors"] == []
+            results.append(sc.store.blocks["w/0"].value.copy())
+        np.testing.assert_allclose(results[1], results[0], rtol=1e-6, atol=1e-6)
+        want = count if count <= bk.SUM_GROUP and not sparse else None
+        assert SumsInStep.got.pop() == want

@@ -24,6 +24,7 @@ backend runs each step as one fused ElementwiseKernel, a batch's sum included.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 
@@ -304,10 +305,16 @@ def _numba_loops() -> dict | None:
         return types.void(arr, types.Array(dt, 1, "C", readonly=True), *[arr] * n_state,
                           *[dt] * n_scalars)
 
-    return {name: numba.njit([signature(dt, n_state, n_scalars)
-                              for dt in (types.float32, types.float64)],
-                             fastmath=False, error_model="numpy", nogil=True, cache=True)(loop)
-            for name, (loop, n_state, n_scalars) in _LOOPS.items()}
+    try:
+        return {name: numba.njit([signature(dt, n_state, n_scalars)
+                                  for dt in (types.float32, types.float64)],
+                                 fastmath=False, error_model="numpy", nogil=True,
+                                 cache=True)(loop)
+                for name, (loop, n_state, n_scalars) in _LOOPS.items()}
+    except Exception as e:   # e.g. no writable cache directory: the chunked path still works
+        logging.getLogger("gradbus.shards").warning("numba loops unavailable (%s); using numpy",
+                                                    e)
+        return None
 
 
 # -- CuPy ----------------------------------------------------------------------------------------

@@ -159,3 +159,12 @@ def test_numba_required_but_missing_is_a_clear_error(monkeypatch):
 def test_gradbus_jit_0_keeps_the_steps_on_numpy(monkeypatch):
     monkeypatch.setenv("GRADBUS_JIT", "0")
     assert backend._numba_loops.__wrapped__() is None
+
+
+def test_a_numba_that_cannot_compile_leaves_the_chunked_steps(monkeypatch):
+    numba = pytest.importorskip("numba")
+
+    def broken(*a, **k):
+        raise RuntimeError("cannot cache function: no locator available")
+    monkeypatch.setattr(numba, "njit", broken)
+    assert backend._numba_loops.__wrapped__() is None

@@ -276,16 +276,15 @@ class ShardCore:
             scratch = self._scratch_for(2 * min(step, n), dt)
             s1, s2 = scratch[:min(step, n)], scratch[min(step, n):]
             ws = [_weight(item[1], dt) for item in fresh]
-            # half-precision frames: each decoded and added in one pass by numba's loop
+            # leading half-precision frames: each decoded and added in one pass (numba's loop)
             done = 0
             while done < len(streams) and streams[done].add_into(acc, not done, ws[done]):
                 done += 1
-            if done:
-                streams, ws = streams[done:], ws[done:]
-            for lo in range(0 if streams else n, n, step):
+            rest = list(zip(streams, ws))[done:]     # the others, a cache-sized piece at a time
+            for lo in range(0, n, step) if rest else ():
                 hi = min(lo + step, n)
                 o = acc[lo:hi]
-                for j, (stream, w) in enumerate(zip(streams, ws), done):
+                for j, (stream, w) in enumerate(rest, done):
                     v = stream.read(lo, hi, s1)
                     if w is not None:
                         v = np.multiply(v, w, out=s2[:hi - lo])

@@ -99,14 +99,10 @@ def _add_fp16_loop(bits, table, out, w, mode):
             out[i] += table[bits[i]] * w
 
 
-@functools.cache
-def loops() -> dict | None:
-    """The loops, or None where numba does not import or ``GRADBUS_JIT=0``: encoders
-    ``bf16(bits, out)`` and ``fp16(values, bits, out)`` (float32 values, their uint32 bits, the
-    uint16 codes; 1-D, C order), and accumulating decoders ``add_bf16(codes, out, w, mode,
-    scratch)`` and ``add_fp16(codes, table, out, w, mode)`` (``out`` float32 or float64, ``w``
-    of its dtype, ``scratch`` float32 of :data:`SCRATCH` values, ``table`` every half's value
-    in ``out``'s dtype)."""
+def build(make) -> dict | None:
+    """``make(numba, numba.types)``: a dict of compiled loops; or None where numba does not
+    import, ``GRADBUS_JIT=0``, or compiling fails (no writable cache directory, say: logged, and
+    the caller keeps its numpy path). The one gate for every numba loop in gradbus."""
     if os.environ.get(ENV, "1") == "0":
         return None
     try:
@@ -115,11 +111,21 @@ def loops() -> dict | None:
     except ImportError:
         return None
     try:
-        return _compile(numba, types)
-    except Exception as e:    # a numba that cannot compile here: the numpy path still works
-        logging.getLogger("gradbus.codecs").warning("numba loops unavailable (%s); using numpy",
-                                                    e)
+        return make(numba, types)
+    except Exception as e:
+        logging.getLogger("gradbus").warning("numba loops unavailable (%s); using numpy", e)
         return None
+
+
+@functools.cache
+def loops() -> dict | None:
+    """The codecs' loops (see :func:`build` for when there are none): encoders
+    ``bf16(bits, out)`` and ``fp16(values, bits, out)`` (float32 values, their uint32 bits, the
+    uint16 codes; 1-D, C order), and accumulating decoders ``add_bf16(codes, out, w, mode,
+    scratch)`` and ``add_fp16(codes, table, out, w, mode)`` (``out`` float32 or float64, ``w``
+    of its dtype, ``scratch`` float32 of :data:`SCRATCH` values, ``table`` every half's value
+    in ``out``'s dtype)."""
+    return build(_compile)
 
 
 def _compile(numba, types) -> dict:

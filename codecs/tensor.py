@@ -181,14 +181,22 @@ _F16_BIAS = np.uint32((0xFFF - 0x38800000) % 2**32)  # rebias; + 0xFFF + last bi
 
 def _fp16_encode(a: np.ndarray) -> np.ndarray:
     """float32 -> IEEE half bits (uint16), round to nearest even; bit-equal to numpy's cast
-    except that NaN becomes 0x7E00 (with its sign): numba's loop (:mod:`.jit`) where it
-    imports, else :func:`_fp16_encode_numpy`."""
+    except that NaN becomes 0x7E00 (with its sign)."""
+    return _half_encode(a, "fp16", _fp16_encode_numpy)
+
+
+def _half_encode(a: np.ndarray, coder: str, numpy_path) -> np.ndarray:
+    """float32 ``a`` as fp16 or bf16 codes: numba's loop (:mod:`.jit`) where it imports and
+    ``a`` is aligned, else ``numpy_path(a)``; the same bits either way."""
     fast = jit.loops()
     flat = np.ascontiguousarray(a).reshape(-1)
     if fast is None or not flat.flags.aligned:
-        return _fp16_encode_numpy(a)
+        return numpy_path(a)
     out = np.empty(len(flat), np.uint16)
-    fast["fp16"](flat, flat.view(np.uint32), out)
+    if coder == "fp16":
+        fast["fp16"](flat, flat.view(np.uint32), out)
+    else:
+        fast["bf16"](flat.view(np.uint32), out)
     return out
 
 
@@ -251,15 +259,8 @@ def _fp16_decode(bits: np.ndarray, dt: np.dtype, out: np.ndarray | None = None) 
 
 
 def _bf16_encode(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 bits (uint16), round to nearest even, NaN -> 0x7FC0: numba's loop
-    (:mod:`.jit`) where it imports, else :func:`_bf16_encode_numpy`."""
-    fast = jit.loops()
-    flat = np.ascontiguousarray(a).reshape(-1)
-    if fast is None or not flat.flags.aligned:
-        return _bf16_encode_numpy(a)
-    out = np.empty(len(flat), np.uint16)
-    fast["bf16"](flat.view(np.uint32), out)
-    return out
+    """float32 -> bfloat16 bits (uint16), round to nearest even, NaN -> 0x7FC0."""
+    return _half_encode(a, "bf16", _bf16_encode_numpy)
 
 
 def _bf16_encode_numpy(a: np.ndarray) -> np.ndarray:

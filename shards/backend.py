@@ -24,7 +24,6 @@ backend runs each step as one fused ElementwiseKernel, a batch's sum included.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 import os
 
@@ -286,35 +285,25 @@ _LOOPS = {"sgd": (_sgd_loop, 0, 1), "momentum": (_momentum_loop, 1, 4),
 
 @functools.cache
 def _numba_loops() -> dict | None:
-    """The loops compiled for float32 and float64, or None when numba does not import or
-    ``GRADBUS_JIT=0`` (the switch of the codecs' numba loops too).
+    """The loops compiled for float32 and float64, or None where there are none (no numba,
+    ``GRADBUS_JIT=0``, a failed compile: :func:`gradbus.codecs.jit.build`).
 
     ``error_model="numpy"``: division follows IEEE (no ZeroDivisionError branch, which would also
     keep LLVM from vectorizing); no fastmath, so results match the numpy path.
     """
-    if os.environ.get(codec_jit.ENV, "1") == "0":
-        return None
-    try:
-        import numba
-        from numba import types
-    except ImportError:
-        return None
+    return codec_jit.build(_compile_loops)
 
+
+def _compile_loops(numba, types) -> dict:
     def signature(dt, n_state, n_scalars):
         arr = types.Array(dt, 1, "C")
         return types.void(arr, types.Array(dt, 1, "C", readonly=True), *[arr] * n_state,
                           *[dt] * n_scalars)
 
-    try:
-        return {name: numba.njit([signature(dt, n_state, n_scalars)
-                                  for dt in (types.float32, types.float64)],
-                                 fastmath=False, error_model="numpy", nogil=True,
-                                 cache=True)(loop)
-                for name, (loop, n_state, n_scalars) in _LOOPS.items()}
-    except Exception as e:   # e.g. no writable cache directory: the chunked path still works
-        logging.getLogger("gradbus.shards").warning("numba loops unavailable (%s); using numpy",
-                                                    e)
-        return None
+    return {name: numba.njit([signature(dt, n_state, n_scalars)
+                              for dt in (types.float32, types.float64)],
+                             fastmath=False, error_model="numpy", nogil=True, cache=True)(loop)
+            for name, (loop, n_state, n_scalars) in _LOOPS.items()}
 
 
 # -- CuPy ----------------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ class ShardCore:
                         np.add(o, v, out=o)
                     else:
                         np.copyto(o, v)
-            if all(item[4].verified() for item in fresh) and (
+            if all(st.verified() for st in streams) and (
                     self.nan_policy != "refuse" or _all_finite(acc)):
                 for ident in idents:
                     pst.seen(ident)

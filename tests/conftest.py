@@ -4,11 +4,15 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 import threading
 import time
+import traceback
+import weakref
 from unittest import mock
 
 import pytest
+import zmq
 
 from gradbus.cluster import LocalCluster
 from gradbus.codecs import jit
@@ -54,6 +58,16 @@ def _gradbus_threads():
     return {t for t in threading.enumerate() if t.name.startswith("gradbus-")}
 
 
+def _thread_stacks(threads) -> str:
+    frames = sys._current_frames()
+    out = []
+    for t in sorted(threads, key=lambda t: t.name):
+        stack = frames.get(t.ident)
+        out.append(f"--- {t.name} ---\n" + ("".join(traceback.format_stack(stack)) if stack
+                                            else "(no frame)\n"))
+    return "".join(out)
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_threads():
     before = _gradbus_threads()
@@ -61,7 +75,101 @@ def no_leaked_threads():
     try:
         wait_for(lambda: not (_gradbus_threads() - before), 5.0, "gradbus threads to end")
     except TimeoutError:
-        pytest.fail(f"leaked threads: {sorted(t.name for t in _gradbus_threads() - before)}")
+        leaked = _gradbus_threads() - before
+        pytest.fail(f"leaked threads: {sorted(t.name for t in leaked)}\n"
+                    f"{_thread_stacks(leaked)}")
+
+
+# ---- ZeroMQ sockets and contexts, and file descriptors --------------------------------------
+# Every context and socket made in the test process is recorded with where it was made; one
+# still open when its test module ends (after a grace period for threads winding down) fails
+# the module's last test and names it, and so does a file descriptor opened and not closed.
+# Checked per module, not per test: a module-scoped cluster or client lives across its tests.
+# Context.instance() is shared by design: it is made (with its I/O threads' descriptors) before
+# the first snapshot and never counted.
+
+_made: dict = {"contexts": weakref.WeakKeyDictionary(), "sockets": weakref.WeakKeyDictionary()}
+_orig_ctx_init = zmq.Context.__init__
+_orig_ctx_socket = zmq.Context.socket
+
+
+def _where() -> str:
+    frames = [f for f in traceback.extract_stack()[:-2]
+              if "site-packages" not in f.filename and "conftest" not in f.filename]
+    return " <- ".join(f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
+                       for f in reversed(frames[-4:]))
+
+
+def _tracked_init(self, *a, **kw):
+    _orig_ctx_init(self, *a, **kw)
+    _made["contexts"][self] = _where()
+
+
+def _tracked_socket(self, *a, **kw):
+    sock = _orig_ctx_socket(self, *a, **kw)
+    _made["sockets"][sock] = _where()
+    return sock
+
+
+zmq.Context.__init__ = _tracked_init
+zmq.Context.socket = _tracked_socket
+
+
+def _open_zmq(before_ctx, before_sock) -> list[str]:
+    shared = zmq.Context._instance
+    out = [f"socket {s.type} made at {w}" for s, w in list(_made["sockets"].items())
+           if s not in before_sock and not s.closed]
+    out += [f"context made at {w}" for c, w in list(_made["contexts"].items())
+            if c not in before_ctx and not c.closed and c is not shared]
+    return out
+
+
+def _fds() -> dict[int, str]:
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:      # the listing's own descriptor, closed already
+            pass
+    return out
+
+
+def _prime_shared_zmq_state() -> None:
+    """Make pyzmq's process-wide state now: Context.instance() with its I/O threads, and the
+    garbage-collector thread (its own context, PUSH and PULL) that a zero-copy send starts."""
+    ctx = zmq.Context.instance()
+    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        a.bind("inproc://gradbus-conftest-prime")
+        b.connect("inproc://gradbus-conftest-prime")
+        a.send(bytes(1 << 17), copy=False)
+        b.recv()
+    finally:
+        a.close(linger=0)
+        b.close(linger=0)
+
+
+_prime_shared_zmq_state()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_leaked_sockets_or_fds():
+    before_ctx = set(_made["contexts"].keys())
+    before_sock = set(_made["sockets"].keys())
+    fds = _fds()
+    yield
+
+    def leaks():
+        now = _fds()
+        fd = [f"fd {n} -> {t}" for n, t in sorted(now.items()) if fds.get(n) != t]
+        return _open_zmq(before_ctx, before_sock) + fd
+
+    try:
+        wait_for(lambda: not leaks(), 5.0, "sockets, contexts and descriptors to close")
+    except TimeoutError:
+        found = leaks()
+        if found:
+            pytest.fail("leaked: " + "; ".join(found))
 
 
 @pytest.fixture

@@ -2,7 +2,8 @@
 
 It finds the backend port with a HELLO on the broker's client URL, registers, heartbeats every
 ``HEARTBEAT_INTERVAL`` and re-registers (after a fresh HELLO, with back-off) when the broker is
-silent for ``LIVENESS`` intervals.
+silent for ``LIVENESS`` intervals: the decisions are :class:`~.registration.Registration`'s,
+the sockets, clocks, checkpoint thread and fault injection are here.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from gradbus.codecs.errors import Code, GradbusError, WireError
 
 from . import checkpoint
 from .core import ShardCore
+from .registration import Connect, Heartbeat, Register, Registration
 
 log = logging.getLogger("gradbus.shard")
 
@@ -49,8 +51,7 @@ class ShardServer:
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None
-        self._registered_at = float("-inf")
-        self._joined = False      # registered with a broker at least once
+        self.reg = Registration(heartbeat_interval, liveness)
         if checkpoint_interval < 0 or checkpoint_keep < 1:
             raise ValueError("checkpoint_interval must be >= 0 and checkpoint_keep >= 1")
         self.on_metrics = on_metrics      # called with a metrics snapshot every interval
@@ -122,7 +123,12 @@ class ShardServer:
         self.sock.send(wire.pack(wire.CHECKPOINT_REPLY, req=req["req"], shard=self.shard_id,
                                  **fields))
 
+    # -- the loop: sockets and clocks around the core and the registration state machine ------
     def _connect(self) -> None:
+        """HELLO the broker (retried with back-off) and connect a fresh backend socket."""
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
         host, _ = net.split_url(self.broker_url)
         welcome = net.hello(self.ctx, self.broker_url, "shard", self.hello_timeout,
                             curve=self.curve)
@@ -132,67 +138,43 @@ class ShardServer:
             security.client_setup(self.sock, self.curve)
         self.sock.setsockopt(zmq.ROUTING_ID, self.shard_id.encode())
         self.sock.connect(net.url(host, welcome["backend"]))
-        self._register()
 
-    def _register(self) -> None:
-        self._registered_at = self.clock()
-        # rejoin: this process was part of a cluster before (even holding nothing now), so a
-        # broker hearing it first knows it restarted, not that the cluster is new
-        self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id, rejoin=self._joined,
-                                 **self.core.register_fields()))
+    def _act(self, actions: list) -> None:
+        """Carry out the registration's actions, in order."""
+        for a in actions:
+            match a:
+                case Connect(silent_for=silent):
+                    if silent is not None:
+                        log.warning("%s: broker silent for %.2fs, reconnecting", self.shard_id,
+                                    silent)
+                    self.registered.clear()
+                    self._connect()
+                    self._act(self.reg.connected(self.clock()))
+                case Register(rejoin=rejoin):
+                    self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id, rejoin=rejoin,
+                                             **self.core.register_fields()))
+                case Heartbeat():
+                    # counters every interval, busy or not (status and top read them)
+                    info = self.core.info()
+                    if self.metrics_url:
+                        info["metrics_url"] = self.metrics_url
+                    self.sock.send(wire.pack(wire.HEARTBEAT, info=info))
+                    if self.on_metrics is not None:
+                        self.on_metrics(self.core.metrics())
+        if self.reg.registered != self.registered.is_set():
+            if self.reg.registered:
+                self.registered.set()
+                log.info("%s registered with %s", self.shard_id, self.broker_url)
+            else:
+                self.registered.clear()
 
     def run(self) -> None:
         try:
-            self._connect()
-            last_heard = last_sent = last_ckpt = last_info = self.clock()
+            self._act(self.reg.start())
+            last_ckpt = self.clock()
             while not self.stopping.is_set():
                 if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
-                    for _ in range(DRAIN_MAX):
-                        try:
-                            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        last_heard = self.clock()
-                        if not frames:
-                            continue
-                        head = _peek(frames[0])
-                        kind = head.get("kind")
-                        if kind == wire.REGISTERED:
-                            self.registered.set()
-                            self._joined = True
-                            log.info("%s registered with %s", self.shard_id, self.broker_url)
-                            continue
-                        if kind == wire.ERROR and head.get("code") == Code.NOT_REGISTERED.value:
-                            # declared dead while alive (a stall): register again, once per
-                            # liveness window (several messages sent meanwhile each get one)
-                            self.registered.clear()
-                            if self.clock() - self._registered_at > self.hb_interval * self.liveness:
-                                self._register()
-                            continue
-                        if kind == wire.CHECKPOINT:
-                            self._start_checkpoint(head)
-                            continue
-                        if kind == wire.STOP:     # drained: nothing left here
-                            log.info("%s drained; stopping", self.shard_id)
-                            self.stopping.set()
-                            break
-                        if kind in (wire.HEARTBEAT, wire.ERROR):
-                            if kind == wire.ERROR:
-                                log.warning("broker error: %s", head.get("message"))
-                            continue
-                        if self.apply_delay:
-                            time.sleep(self.apply_delay)
-                        try:
-                            outs = self.core.handle(frames, head or None)
-                        except Exception:   # a bug must not take the shard down
-                            log.exception("%s failed handling a %s", self.shard_id, kind)
-                            self.core.stats["errors"] += 1
-                            continue
-                        for out in outs:
-                            self.sock.send_multipart(out, copy=False)
-                            last_sent = self.clock()
-                        if self.clock() - last_sent >= self.hb_interval:
-                            break   # a slow shard still heartbeats between messages
+                    self._drain()
                 now = self.clock()
                 if self._ckpt_done:
                     self._checkpoint_replies()
@@ -200,24 +182,47 @@ class ShardServer:
                         and now - last_ckpt >= self.checkpoint_interval):
                     last_ckpt = now
                     self._start_checkpoint(None)
-                if now - last_sent >= self.hb_interval or now - last_info >= self.hb_interval:
-                    # counters every interval, busy or not (status and top read them)
-                    info = self.core.info()
-                    if self.metrics_url:
-                        info["metrics_url"] = self.metrics_url
-                    self.sock.send(wire.pack(wire.HEARTBEAT, info=info))
-                    last_sent = last_info = now
-                    if self.on_metrics is not None:
-                        self.on_metrics(self.core.metrics())
-                if now - last_heard > self.hb_interval * self.liveness:
-                    log.warning("%s: broker silent for %.2fs, reconnecting", self.shard_id,
-                                now - last_heard)
-                    self.registered.clear()
-                    self.sock.close(linger=0)
-                    self._connect()
-                    last_heard = self.clock()
+                self._act(self.reg.tick(now))
         finally:
             self.close()
+
+    def _drain(self) -> None:
+        """Up to DRAIN_MAX waiting messages: the registration's to the state machine, the
+        core's to the core (its replies sent), checkpoint and stop requests here."""
+        for _ in range(DRAIN_MAX):
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            head = _peek(frames[0]) if frames else {}
+            kind = head.get("kind")
+            self._act(self.reg.heard(self.clock(), kind, head.get("code")))
+            if not frames or kind in (wire.REGISTERED, wire.HEARTBEAT):
+                continue
+            if kind == wire.ERROR:
+                if head.get("code") != Code.NOT_REGISTERED.value:
+                    log.warning("broker error: %s", head.get("message"))
+                continue
+            if kind == wire.CHECKPOINT:
+                self._start_checkpoint(head)
+                continue
+            if kind == wire.STOP:     # drained: nothing left here
+                log.info("%s drained; stopping", self.shard_id)
+                self.stopping.set()
+                break
+            if self.apply_delay:
+                time.sleep(self.apply_delay)
+            try:
+                outs = self.core.handle(frames, head or None)
+            except Exception:   # a bug must not take the shard down
+                log.exception("%s failed handling a %s", self.shard_id, kind)
+                self.core.stats["errors"] += 1
+                continue
+            for out in outs:
+                self.sock.send_multipart(out, copy=False)
+                self.reg.sent(self.clock())
+            if self.reg.quiet(self.clock()):
+                break   # a slow shard still heartbeats between messages
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name=f"gradbus-{self.shard_id}", daemon=True)

@@ -1,6 +1,8 @@
 """Broker, shard and client-cache state machines, driven without sockets."""
 from __future__ import annotations
 
+import re
+
 import msgpack
 import numpy as np
 import pytest
@@ -30,7 +32,7 @@ class Rig:
     def __init__(self, shards=("s0",), partitions=16, **kw):
         self.now = 0.0
         self.broker = BrokerCore(partitions, now=0.0, **kw)
-        self.shards = {sid: ShardCore(sid) for sid in shards}
+        self.shards = {sid: CheckedShard(sid) for sid in shards}
         self.to_clients: list = []
         self.published: list = []
         self.held: list = []     # batches captured instead of delivered (when hold=True)
@@ -178,6 +180,15 @@ def test_back_pressure_flag():
 
 
 # ---------------------------------------------------------------- shard core
+class CheckedShard(ShardCore):
+    """A shard core that checks its invariants after every message it handles."""
+
+    def handle(self, frames, header=None):
+        out = super().handle(frames, header)
+        self.validate_state()
+        return out
+
+
 def _batch(p, seq, entries, descs, frames):
     return [wire.pack(wire.BATCH, descs, parts=[{"p": p, "seq": seq, "epoch": 1, "e": entries}]),
             *frames]
@@ -207,7 +218,7 @@ def _textbook(opt, w, grads):
 
 
 def _shard_with(opt, w0):
-    sc = ShardCore("s")
+    sc = CheckedShard("s")
     layout = TensorLayout("w", "float64", (w0.size,), 64)
     d, buf = wire.encode_tensor("w/0", w0)
     sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
@@ -255,7 +266,7 @@ def test_shard_batch_of_k_is_k_steps_of_the_mean(opt):
 
 
 def test_shard_redelivered_batch_is_not_reapplied_and_bad_entry_isolated():
-    sc = ShardCore("s")
+    sc = CheckedShard("s")
     layout = TensorLayout("w", "float32", (4,), 4)
     sc.handle(_batch(3, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
                              "rule": {"name": "zeros"}, "opt": SGD}], [], []))
@@ -271,6 +282,57 @@ def test_shard_redelivered_batch_is_not_reapplied_and_bad_entry_isolated():
     upd = unpack(out[0][1])
     assert upd["kind"] == "update" and upd["p"] == 3 and upd["seq"] == 2
     assert upd["t"][0]["ver"] == 1
+
+
+def test_shard_catch_up_holds_batches_installs_the_state_then_applies_the_rest():
+    """ADOPT holds the partition's batches; STATE installs the primary's export at its seq and
+    applies the held batches after it; the standby ends equal to the primary; DROP forgets it.
+    Both cores check their invariants after every message."""
+    w0 = np.linspace(-1, 1, 8)
+    primary = _shard_with({"name": "adam", "lr": 0.1}, w0)
+    _apply(primary, 2, [np.ones(8)])
+    standby = CheckedShard("b")
+    assert standby.handle([wire.pack(wire.ADOPT, p=0)]) == []
+    g3 = [np.random.default_rng(3).normal(size=8), np.full(8, 0.5)]
+    encs = [wire.encode_tensor("w/0", g) for g in g3]
+    batch3 = _batch(0, 3, [{"op": "push", "i": i} for i in range(2)],
+                    [e[0] for e in encs], [bytes(e[1]) for e in encs])
+    held = standby.handle(batch3)
+    assert unpack(held[0][0])["parts"] == [] and len(standby.installing[0]) == 1
+    state = primary.handle([wire.pack(wire.STATE_REQ, p=0, to="b")])[0]
+    assert unpack(state[0])["seq"] == 2
+    primary.handle(batch3)
+    synced = standby.handle([bytes(f) for f in state])
+    assert [(h["kind"], h["p"], h["seq"]) for h in (unpack(m[0]) for m in synced)] == [
+        ("synced", 0, 3)]
+    assert standby.installing == {}
+    assert standby.partition_digest(0) == primary.partition_digest(0)
+    assert standby.store.blocks["w/0"].version == 3
+    assert standby.handle([wire.pack(wire.DROP, ps=[0])]) == []
+    assert standby.store.blocks == {} and standby.store.partitions == {}
+
+
+def test_shard_validate_state_names_the_broken_invariant():
+    sc = _shard_with(SGD, np.zeros(4))
+    sc.validate_state()
+    pst, blk = sc.store.partitions[0], sc.store.blocks["w/0"]
+    breaks = [
+        (lambda: pst.keys.discard("w/0"), lambda: pst.keys.add("w/0"), "named by no partition"),
+        (lambda: setattr(blk, "version", -1), lambda: setattr(blk, "version", 0), "version -1"),
+        (lambda: setattr(pst, "seq", "1"), lambda: setattr(pst, "seq", 1), "seq '1'"),
+        (lambda: setattr(blk, "value", np.zeros(3)), lambda: setattr(blk, "value", np.zeros(4)),
+         "layout float64[4]"),
+        (lambda: sc.installing.update({1: [({"p": 2}, [], [])]}),
+         lambda: sc.installing.clear(), "held for 1"),
+        (lambda: setattr(blk, "published", np.zeros(4)),
+         lambda: setattr(blk, "published", None), "without a delta chain"),
+    ]
+    for brk, fix, says in breaks:
+        brk()
+        with pytest.raises(AssertionError, match=re.escape(says)):
+            sc.validate_state()
+        fix()
+        sc.validate_state()
 
 
 # ---------------------------------------------------------------- client cache
@@ -356,7 +418,7 @@ def test_delta_weights_reconstruct_what_the_shard_published(chain):
     """A subscriber fed the shard's UPDATEs holds exactly the shard's published values; with a
     lossless chain they are the weights themselves, with bf16 the error stays bounded (it is
     carried into the next delta, never accumulated)."""
-    sc = ShardCore("s", weights_codec=chain)
+    sc = CheckedShard("s", weights_codec=chain)
     layout = TensorLayout("w", "float32", (256,), 256)
     rng = np.random.default_rng(5)
     w0 = rng.normal(size=256).astype(np.float32)
@@ -425,7 +487,7 @@ def test_a_large_snapshot_is_answered_in_parts_of_at_most_a_batch():
 
 # ---------------------------------------------------------------- streamed sums
 def _shard_sgd(dtype, n, lr=1.0, nan_policy="refuse"):
-    sc = ShardCore("s", nan_policy=nan_policy)
+    sc = CheckedShard("s", nan_policy=nan_policy)
     layout = TensorLayout("w", dtype, (n,), n)
     sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
                              "rule": {"name": "zeros"}, "opt": {"name": "sgd", "lr": lr}}],
@@ -568,7 +630,7 @@ def test_a_backend_that_sums_in_its_step_gets_the_batch_as_a_list():
             encs[-1] = wire.encode_tensor("w/0", grads[-1], "topk:0.1")
         results = []
         for be in (bk.NumpyBackend(jit=False), SumsInStep(jit=False)):
-            sc = ShardCore("s", backend=be)
+            sc = CheckedShard("s", backend=be)
             layout = TensorLayout("w", "float32", (n,), n)
             sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
                                      "rule": {"name": "zeros"},

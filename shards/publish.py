@@ -1,0 +1,145 @@
+"""What a shard sends toward clients: the APPLIED entry and UPDATE event of each applied part,
+and the replies to SNAPSHOT and ROWS reads.
+
+A primary publishes the blocks a part changed on the events socket with the part's
+``(epoch, seq)``, encoded with the shard's weights codec chain; with a ``delta|`` chain it
+publishes the change since the block's last publish. A standby applies and publishes nothing.
+Table rows are never published: clients read them with ROWS.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from gradbus.codecs import net, wire
+from gradbus.codecs.partition import row_key, split_row_key
+
+from .apply import PartApplied
+from .store import ParameterStore
+
+
+def host_copy(backend, value) -> np.ndarray:
+    """``value`` as a host array that no later step will write to (frames are sent
+    zero-copy)."""
+    host = backend.to_host(value)
+    return host.copy() if host is value else host
+
+
+class Publisher:
+    """Encodes weights for subscribers and readers; owns what a delta chain's subscribers
+    hold (each block's ``published`` and ``pub_seq``)."""
+
+    def __init__(self, store: ParameterStore, backend, counters: dict, weights_codec: str):
+        self.delta, self.weights_chain = wire.split_weights_codec(weights_codec)
+        self.store = store
+        self.backend = backend
+        self.stats = counters          # the shard's counters (shared with the other parts)
+
+    # -- after a batch -------------------------------------------------------------------------
+    def result(self, done: PartApplied) -> tuple[dict, list]:
+        """The part's entry in the APPLIED reply, and its UPDATE message (empty when this
+        shard does not publish the part)."""
+        vers = {blk.key: blk.version for blk in done.changed.values()}
+        res = {"p": done.p, "seq": done.seq, "epoch": done.epoch, "errors": done.errors,
+               "vers": vers}
+        if done.tables:    # a table's rows are read on request (ROWS), never published
+            vers.update({key: tbl.version for key, tbl in done.tables.items()})
+            res["tr"] = {split_row_key(key)[0]: [tbl.rows, tbl.nbytes]
+                         for key, tbl in done.tables.items()}
+        if done.duplicate:
+            res["dup"] = True
+        if not done.publish:   # a standby applies, the primary publishes
+            res["n"] = -1
+            return res, []
+        descs, bufs = [], []
+        for blk in done.changed.values():
+            if self.delta:
+                d, buf = self._encode_delta(blk, done.seq)
+            else:
+                host = self.backend.to_host(blk.value)
+                d, buf = wire.encode_tensor(blk.key, host, self.weights_chain, blk.version)
+                buf = net.detach(buf, host)   # the next step writes the block in place
+            descs.append(d)
+            bufs.append(buf)
+        pub = wire.pack(wire.UPDATE, descs, p=done.p, seq=done.seq, epoch=done.epoch)
+        res["n"] = len(bufs)
+        return res, [pub, *bufs]
+
+    def _encode_delta(self, blk, seq: int):
+        """Publish the change since the block's last publish (the first publish is whole).
+        ``published`` advances by exactly what subscribers decode, so a lossy chain's error
+        is carried into the next delta rather than accumulating on the subscribers."""
+        value = self.backend.to_host(blk.value)
+        if blk.published is None:
+            d, buf, decoded = wire.encode_tensor_lossy(blk.key, value.copy(), self.weights_chain,
+                                                       version=blk.version)
+            blk.published = np.array(decoded, dtype=value.dtype, copy=True)
+        else:
+            change = np.subtract(value, blk.published)
+            d, buf, decoded = wire.encode_tensor_lossy(blk.key, change, self.weights_chain,
+                                                       version=blk.version)
+            d["base"] = blk.pub_seq
+            blk.published += decoded
+        blk.pub_seq = seq
+        return d, buf
+
+    # -- reads ---------------------------------------------------------------------------------
+    def snapshot(self, h: dict) -> list:
+        """The blocks asked for, as subscribers' updates build on them (a delta chain's
+        ``published``), with each one's partition seq; unknown keys listed as missing."""
+        self.stats["snapshots"] += 1
+        descs, bufs, missing, parts = [], [], [], {}
+        for key in h["keys"]:
+            blk = self.store.blocks.get(key) if isinstance(key, str) else None
+            if blk is None:
+                missing.append(key)
+                continue
+            if self.delta and blk.published is not None:   # what subscribers' deltas build on
+                d, buf = wire.encode_tensor(key, blk.published.copy(), "raw", blk.version)
+                d["base"] = blk.pub_seq
+            else:
+                d, buf = wire.encode_tensor(key, host_copy(self.backend, blk.value), "raw",
+                                            blk.version)
+            descs.append(d)
+            bufs.append(buf)
+            parts[blk.p] = self.store.partition(blk.p).seq
+        fields = {k: h[k] for k in ("req", "client", "of") if k in h}
+        return [wire.pack(wire.SNAPSHOT_REPLY, descs, parts=sorted(parts.items()), missing=missing,
+                          **fields), *bufs]
+
+    def rows(self, h: dict) -> list:
+        """Rows of a table, by partition: stored values, or for rows not created yet (never
+        pushed, or filtered) their initial values. Never creates a row."""
+        self.stats["row_reads"] = self.stats.get("row_reads", 0) + 1
+        descs, bufs, missing = [], [], []
+        for q in h["q"]:
+            if not (isinstance(q, list) and len(q) == 2 and isinstance(q[0], int)
+                    and isinstance(q[1], bytes) and len(q[1]) % 8 == 0):
+                continue
+            key = row_key(h["table"], q[0])
+            tbl = self.store.tables.get(key)
+            if tbl is None:
+                missing.append(q[0])
+                continue
+            d, buf = wire.encode_tensor(key, tbl.lookup(wire.row_ids(q[1])),
+                                        "raw", tbl.version)
+            descs.append(d)
+            bufs.append(buf)
+        fields = {k: h[k] for k in ("req", "client", "of", "tv") if k in h}
+        return [wire.pack(wire.ROWS_REPLY, descs, missing=missing, **fields), *bufs]
+
+    def validate(self) -> None:
+        """What subscribers hold: only with a delta chain, shaped like the block, with the
+        seq of its publish."""
+        for key, blk in self.store.blocks.items():
+            if blk.published is None:
+                if blk.pub_seq is not None:
+                    raise AssertionError(f"{key}: pub_seq {blk.pub_seq} without published values")
+                continue
+            if not self.delta:
+                raise AssertionError(f"{key}: published values without a delta chain")
+            if blk.published.shape != blk.value.shape or blk.published.dtype != blk.value.dtype:
+                raise AssertionError(f"{key}: published {blk.published.dtype}"
+                                     f"{blk.published.shape} vs value {blk.value.dtype}"
+                                     f"{blk.value.shape}")
+            if not isinstance(blk.pub_seq, int):
+                raise AssertionError(f"{key}: published values without the seq of the publish")

@@ -1,0 +1,207 @@
+"""A partition's whole state moving between replicas: export (STATE for a catching-up
+standby, or a checkpoint), install, the batches held back while a standby catches up, DROP,
+and what REGISTER and DIGEST report about the partitions held.
+
+A standby catches up on partition ``p`` in three steps: ADOPT (batches for ``p`` are held, in
+order, from then on), STATE (the primary's export at seq S replaces ``p``; the held batches
+after S are applied) and SYNCED back to the broker. An exported state installed anywhere
+equals the exporter's state as of its seq, so replicas stay bit-identical.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from gradbus.codecs import wire
+from gradbus.codecs.partition import TensorLayout, split_row_key
+
+from .publish import host_copy
+from .rows import RowTable
+from .store import ParameterStore
+
+log = logging.getLogger("gradbus.shard")
+
+
+class Replication:
+    """Owns the partitions being caught up on (``installing``: partition -> the batch parts
+    held back since ADOPT, in order)."""
+
+    def __init__(self, store: ParameterStore, backend, counters: dict, *, max_tensor_bytes: int,
+                 forget):
+        self.store = store
+        self.backend = backend
+        self.stats = counters          # the shard's counters (shared with the other parts)
+        self.max_tensor_bytes = max_tensor_bytes
+        self._forget = forget          # called with the keys of blocks dropped
+        self.installing: dict[int, list] = {}
+
+    # -- catching up -------------------------------------------------------------------------
+    def adopt(self, p: int) -> None:
+        """ADOPT: batches for ``p`` are held from now until its state is installed."""
+        self.installing[p] = []
+
+    def hold(self, part: dict, descs, frames) -> bool:
+        """Keep a batch part for a partition being caught up on; False when it is not one."""
+        held = self.installing.get(int(part["p"]))
+        if held is None:
+            return False
+        held.append((part, descs, frames))
+        return True
+
+    def install(self, h: dict, descs, frames, apply) -> list:
+        """Replace partition ``p`` with the state a primary exported at seq S, then apply (with
+        ``apply(part, descs, frames)``) the batches held back since ADOPT that come after S;
+        answer SYNCED."""
+        p = int(h["p"])
+        held = self.installing.pop(p, None)
+        if held is None:
+            log.warning("state for partition %d that was not adopted: ignored", p)
+            return []
+        seq = self.install_state(h, descs, frames)
+        for part, bdescs, bframes in held:
+            if int(part["seq"]) > seq:
+                apply(part, bdescs, bframes)
+        self.stats["syncs"] += 1
+        return [[wire.pack(wire.SYNCED, p=p, seq=self.store.partition(p).seq)]]
+
+    def drop(self, ps) -> None:
+        """DROP: forget these partitions (moved elsewhere), caught up on or not."""
+        for p in ps:
+            if isinstance(p, int):
+                self.installing.pop(p, None)
+                self._forget(self.store.drop(p))
+                self.stats["dropped"] += 1
+
+    # -- export and install ------------------------------------------------------------------
+    def export(self, p: int, to: str) -> list:
+        """The whole state of partition ``p`` (values, optimizer state, versions, seq) for the
+        standby ``to``: installed there, it equals this shard's state as of this seq."""
+        pst = self.store.partition(p)
+        metas, descs, bufs = [], [], []
+        for key in sorted(pst.keys):
+            blk = self.store.blocks[key]
+            arrays = sorted(k for k, v in blk.state.items() if not isinstance(v, (int, float)))
+            scalars = {k: v for k, v in blk.state.items() if isinstance(v, (int, float))}
+            metas.append({"key": key, "layout": blk.layout.to_wire(), "opt": blk.opt,
+                          "version": blk.version, "arrays": arrays, "scalars": scalars})
+            for name, arr in [("", blk.value)] + [(a, blk.state[a]) for a in arrays]:
+                d, buf = wire.encode_tensor(key, host_copy(self.backend, arr), "raw")
+                descs.append(d)
+                bufs.append(buf)
+        for key in sorted(pst.tables):
+            scalars, arrays = self.store.tables[key].export()
+            metas.append({"key": key, "table": self.store.tables[key].cfg, "scalars": scalars,
+                          "arrays": [name for name, _ in arrays]})
+            for _, arr in arrays:
+                d, buf = wire.encode_tensor(key, np.ascontiguousarray(arr), "raw")
+                descs.append(d)
+                bufs.append(buf)
+        self.stats["states_sent"] += 1
+        return [wire.pack(wire.STATE, descs, p=p, to=to, seq=pst.seq, epoch=pst.epoch,
+                          blocks=metas, recent=[list(r) for r in pst.recent]), *bufs]
+
+    def install_state(self, h: dict, descs, frames) -> int:
+        """Replace partition ``h['p']`` with an exported state (from a primary, or a
+        checkpoint); returns its seq."""
+        p, seq, epoch = int(h["p"]), int(h["seq"]), int(h["epoch"])
+        self._forget(self.store.drop(p))
+        pst = self.store.partition(p)
+        pos = 0
+        for meta in h["blocks"]:
+            if "table" in meta:
+                n = len(meta["arrays"])
+                arrs = {name: np.array(wire.decode_tensor(d, f, self.max_tensor_bytes))
+                        for name, d, f in zip(meta["arrays"], descs[pos:pos + n],
+                                              frames[pos:pos + n])}
+                pos += n
+                pool = self.store.pool(meta["key"], meta["table"])
+                self.store.install_table(meta["key"], p, RowTable.install(
+                    meta["table"], meta["scalars"], arrs, pool))
+                continue
+            layout = TensorLayout.from_wire(meta["layout"])
+            n = 1 + len(meta["arrays"])
+            arrs = [wire.decode_tensor(d, f, self.max_tensor_bytes)
+                    for d, f in zip(descs[pos:pos + n], frames[pos:pos + n])]
+            pos += n
+            blk, _ = self.store.create(meta["key"], p, layout, {"name": "given"}, meta["opt"],
+                                       arrs[0])
+            for name, arr in zip(meta["arrays"], arrs[1:]):
+                blk.state[name][...] = self.backend.asarray(arr)
+            blk.state.update(meta["scalars"])
+            blk.version = int(meta["version"])
+        pst.seq, pst.epoch = seq, epoch
+        for r in h.get("recent") or []:
+            if isinstance(r, list) and len(r) == 3:
+                pst.recent[tuple(r)] = None
+        return seq
+
+    def states(self) -> list[list]:
+        """Every settled partition's STATE message (for a checkpoint)."""
+        return [self.export(p, "") for p in self.settled()]
+
+    def settled(self) -> list[int]:
+        """The partitions held and not being caught up on, in order."""
+        return [p for p in sorted(self.store.partitions) if p not in self.installing]
+
+    # -- what the broker is told -------------------------------------------------------------
+    def holdings(self) -> dict:
+        """What REGISTER tells the broker: the partitions held with their (epoch, seq), and
+        the tensors and block versions they hold, so a restarted broker can rebuild its
+        table and catalog from its shards."""
+        st = self.store.partitions
+        ps = self.settled()
+        tensors, blocks = {}, []
+        for p in ps:
+            for key in sorted(st[p].keys):
+                blk = self.store.blocks[key]
+                tensors.setdefault(blk.layout.name, {**blk.layout.to_wire(), "opt": blk.opt})
+                blocks.append([key, blk.version])
+            for key in sorted(st[p].tables):
+                tbl, name = self.store.tables[key], split_row_key(key)[0]
+                tensors.setdefault(name, {"name": name, "table": tbl.cfg})
+                blocks.append([key, tbl.version])
+        return {"holds": [[p, st[p].epoch, st[p].seq] for p in ps],
+                "tensors": list(tensors.values()), "blocks": blocks}
+
+    def partition_digest(self, p: int) -> str:
+        """A hash of partition ``p``: every block's value, version and optimizer state, and
+        every table's rows."""
+        import xxhash
+        hsh = xxhash.xxh3_64()
+        pst = self.store.partitions.get(p)
+        for key in sorted(pst.keys if pst else ()):
+            blk = self.store.blocks[key]
+            hsh.update(key.encode())
+            hsh.update(blk.version.to_bytes(8, "little"))
+            hsh.update(self.backend.to_host(blk.value).tobytes())
+            for name in sorted(blk.state):
+                v = blk.state[name]
+                hsh.update(name.encode())
+                hsh.update(repr(v).encode() if isinstance(v, (int, float))
+                           else self.backend.to_host(v).tobytes())
+        for key in sorted(pst.tables if pst else ()):
+            hsh.update(key.encode())
+            self.store.tables[key].digest_into(hsh)
+        return hsh.hexdigest()
+
+    def digest_reply(self, h: dict, shard_id: str) -> list:
+        """DIGEST: each settled partition asked for (all when none are named) with its seq
+        and :meth:`partition_digest`."""
+        ps = h.get("ps")
+        ps = sorted(self.store.partitions) if not isinstance(ps, list) else [
+            p for p in ps if isinstance(p, int) and p in self.store.partitions]
+        parts = [[p, self.store.partitions[p].seq, self.partition_digest(p)] for p in ps
+                 if p not in self.installing]
+        fields = {k: h[k] for k in ("client", "of") if k in h}
+        return [wire.pack(wire.DIGEST_REPLY, req=h["req"], shard=shard_id, parts=parts,
+                          **fields)]
+
+    def validate(self) -> None:
+        """Held batch parts belong to the partition they are held for."""
+        for p, held in self.installing.items():
+            if not isinstance(p, int):
+                raise AssertionError(f"partition being caught up on is not an int: {p!r}")
+            for part, _, _ in held:
+                if int(part["p"]) != p:
+                    raise AssertionError(f"a part for partition {part['p']} held for {p}")

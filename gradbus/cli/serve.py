@@ -18,6 +18,7 @@ from gradbus.cli.options import (
     metrics_options,
     replicas_option,
 )
+from gradbus.cluster import RESTART_WINDOW, RESTARTS
 from gradbus.codecs.errors import GradbusError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS
 
@@ -178,44 +179,67 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Prometheus metrics: the broker on PORT, shard i on PORT+1+i (0: free ports; "
                    "unset: off). `gradbus status --json` lists every URL.")
-def up(shards, port, host, partitions, replicas, curve_dir, metrics_port):
-    """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM."""
-    from gradbus.cluster import LocalCluster
+@click.option("--backend-port", default=None, type=click.IntRange(0, 65535),
+              help="The broker's shard port (default: a free one, kept across its restarts).")
+@click.option("--events-port", default=None, type=click.IntRange(0, 65535),
+              help="The broker's events port (default: a free one, kept across its restarts).")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Shards checkpoint under DIR/<shard id>/ and start (and restart) from their "
+                   "newest checkpoint there (default: the [shard] data_dir setting; unset: "
+                   "no checkpoints).")
+@click.option("--max-restarts", default=RESTARTS, show_default=True, type=click.IntRange(0),
+              help=f"Restarts of one process within {RESTART_WINDOW:g}s before up gives up "
+                   "and exits non-zero (0: none).")
+def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backend_port,
+       events_port, data_dir, max_restarts):
+    """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM.
+
+    A process that dies is started again after a back-off: the broker on the same ports, a
+    shard from its newest checkpoint in --data-dir. up exits non-zero when one keeps dying,
+    or when a process fails at the stop (a shard whose final checkpoint failed)."""
+    from gradbus.cluster import LocalCluster, RestartPolicy
     stop = threading.Event()
     opts.on_signals(stop.set)
-    forward = config.forward_args(click.get_current_context())   # children read the same file
+    ctx = click.get_current_context()
+    forward = config.forward_args(ctx)   # children read the same file
     if replicas > shards:
         raise click.BadParameter(f"{replicas} replicas need at least as many shards "
                                  f"(--shards {shards})", param_hint="--replicas")
+    if data_dir is None:    # the shards read the setting too: up restarts them from it
+        data_dir = config.resolve(config.loaded(ctx))["shard.data_dir"].value
     try:
         cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False,
                                replicas=replicas, broker_args=forward, shard_args=forward,
-                               curve_dir=curve_dir, metrics_port=metrics_port)
+                               curve_dir=curve_dir, metrics_port=metrics_port,
+                               backend_port=backend_port or 0, events_port=events_port or 0,
+                               data_dir=data_dir)
     except (GradbusError, OSError) as e:
         raise click.ClickException(str(e))
-    _run_cluster(cluster, stop)
+    _run_cluster(cluster, stop, RestartPolicy(max_restarts))
 
 
-def _run_cluster(cluster, stop: threading.Event) -> None:
-    """Start a local cluster, say 'ready: URL', and keep it until a signal or its broker ends."""
+def _run_cluster(cluster, stop: threading.Event, policy=None) -> None:
+    """Start a local cluster, say 'ready: URL', and keep its processes running
+    (:meth:`LocalCluster.supervise`) until a signal; exits non-zero when it gave up on one or
+    when one failed at the stop."""
     cluster.start()
+    gave_up = None
     try:
         click.echo(f"ready: {cluster.url}")
         if getattr(cluster, "keys", None) is not None:
             click.echo(f"curve: clients use --curve-secret {cluster.keys.path('client', True)} "
                        f"--curve-server-key {cluster.keys.path('broker')}")
         sys.stdout.flush()
-        while not stop.wait(0.5):
-            dead = [n for n, p in cluster.shard_procs.items() if p.poll() is not None]
-            if cluster.broker_proc.poll() is not None:
-                click.echo("broker exited; stopping", err=True)
-                break
-            for n in dead:
-                click.echo(f"{n} exited with {cluster.shard_procs[n].returncode}", err=True)
-                cluster.shard_procs.pop(n)
+        gave_up = cluster.supervise(stop, policy, say=lambda text: click.echo(text, err=True))
     finally:
-        cluster.stop()
+        codes = cluster.stop()
         click.echo("stopped")
+    failed = [f"{name} exited with {code}" for name, code in codes.items() if code != 0]
+    if failed:
+        failed[-1] += (" while stopping (a shard whose final checkpoint failed exits non-zero: "
+                       "see its log above)")
+    if gave_up or failed:
+        raise click.ClickException("; ".join(([gave_up] if gave_up else []) + failed))
 
 
 @click.command()
@@ -259,8 +283,7 @@ def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry
     replay = ["--replay-log", log_dir, "--expect-shards", str(len(ids))] + (
         ["--replay-until", repr(when)] if when else []) if log_dir else []
     cluster = LocalCluster(len(ids), port=port, host=host, partitions=partitions, quiet=False,
-                           replicas=replicas, shard_ids=ids, broker_args=replay,
-                           shard_extra={sid: ["--data-dir", ddir] + (
-                               ["--restore", chosen[sid].path] if sid in chosen else [])
-                               for sid in ids})
+                           replicas=replicas, shard_ids=ids, broker_args=replay, data_dir=ddir,
+                           restore_from={sid: ck.path for sid, ck in chosen.items()})
     _run_cluster(cluster, stop)
+

@@ -2,6 +2,7 @@
 `gradbus up` (a local cluster) and `gradbus restore` (a local cluster from checkpoints)."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -254,7 +255,8 @@ def _run_cluster(cluster, stop: threading.Event, policy=None) -> None:
               type=click.IntRange(1, 65535), help="Must match the checkpointed cluster's.")
 @replicas_option
 @click.option("--data-dir", default=None, type=click.Path(file_okay=False),
-              help="Where the restored shards write new checkpoints (default: --from).")
+              help="Where the restored shards write their checkpoints: any folder but --from "
+                   "(default: a new one, FROM/restores/<time>/).")
 @click.option("--log", "log_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="The broker's update log (--log-dir): replay it on top of the checkpoints "
                    "up to --at, so the state is exact to the update.")
@@ -265,6 +267,11 @@ def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry
     from gradbus.cluster import LocalCluster
     from gradbus.shards import checkpoint
     when = opts.parse_time(at)
+    if data_dir is not None and _same_dir(data_dir, source):
+        raise click.BadParameter("must not be --from: a restored cluster never writes into the "
+                                 "history it reads (leave --data-dir out for a new folder "
+                                 f"{os.path.join(source, RESTORES, '<time>')})",
+                                 param_hint="--data-dir")
     chosen = {}
     ids = checkpoint.shards_in(source) or (["shard-0"] if log_dir else [])
     for sid in ids:
@@ -279,7 +286,8 @@ def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry
         return
     stop = threading.Event()
     opts.on_signals(stop.set)
-    ddir = data_dir or source
+    ddir = data_dir or _new_timeline(source)
+    click.echo(f"new checkpoints go to {ddir}")
     replay = ["--replay-log", log_dir, "--expect-shards", str(len(ids))] + (
         ["--replay-until", repr(when)] if when else []) if log_dir else []
     cluster = LocalCluster(len(ids), port=port, host=host, partitions=partitions, quiet=False,
@@ -287,3 +295,26 @@ def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry
                            restore_from={sid: ck.path for sid, ck in chosen.items()})
     _run_cluster(cluster, stop)
 
+
+RESTORES = "restores"     # FROM/restores/<time>/: the checkpoints of clusters restored from FROM
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _new_timeline(source: str) -> str:
+    """A new folder FROM/restores/<local time>[-N]/ for a restored cluster's checkpoints: no
+    shard id of FROM is named "restores", so restores from FROM never see these."""
+    import datetime
+    base = os.path.join(source, RESTORES,
+                        datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S"))
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    for n in range(1, 1000):
+        path = base if n == 1 else f"{base}-{n}"
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise click.ClickException(f"cannot make a new folder under {os.path.dirname(base)}")

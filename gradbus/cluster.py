@@ -1,7 +1,9 @@
 """A local cluster: a broker and N shards, as real processes (default) or threads (tests).
 
 Child processes get ``PR_SET_PDEATHSIG`` (Linux), so a killed launcher leaves no orphans; a clean
-stop sends SIGTERM, waits, then SIGKILL.
+stop sends SIGTERM, waits, then SIGKILL. :meth:`LocalCluster.supervise` keeps the processes
+running: one that dies is started again after a back-off (:class:`RestartPolicy`), the broker on
+the ports it had, a shard from its newest checkpoint when the cluster has a data directory.
 """
 from __future__ import annotations
 
@@ -12,15 +14,19 @@ import sys
 import time
 
 from gradbus import admin
-from gradbus.codecs import security
+from gradbus.codecs import net, security
 from gradbus.codecs.errors import GradbusError
 
 STOP_GRACE = 5.0
+RESTART_WINDOW = 60.0      # seconds over which a process's restarts are counted
+RESTARTS = 5               # restarts of one process within RESTART_WINDOW before giving up
+BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0    # seconds before a restart: doubles with each recent one
 
 
-def end_processes(procs, grace: float = STOP_GRACE) -> None:
+def end_processes(procs, grace: float = STOP_GRACE) -> list[int]:
     """SIGTERM every running process of ``procs`` (None entries are skipped), give them
-    ``grace`` seconds together, SIGKILL the rest; every one is reaped and its stdout closed."""
+    ``grace`` seconds together, SIGKILL the rest; every one is reaped and its stdout closed.
+    Returns their exit statuses (negative: the signal that ended one), None entries left out."""
     procs = [p for p in procs if p is not None]
     for p in procs:
         if p.poll() is None:
@@ -34,6 +40,30 @@ def end_processes(procs, grace: float = STOP_GRACE) -> None:
             p.wait()
         if p.stdout:
             p.stdout.close()
+    return [p.returncode for p in procs]
+
+
+class RestartPolicy:
+    """Whether, and after how long, a process that died is started again: at most
+    ``max_restarts`` restarts of one process within ``window`` seconds, each after a back-off
+    that doubles with the restarts in the window (``backoff_min`` up to ``backoff_max``).
+    Times come from the caller (monotonic seconds)."""
+
+    def __init__(self, max_restarts: int = RESTARTS, window: float = RESTART_WINDOW,
+                 backoff_min: float = BACKOFF_MIN, backoff_max: float = BACKOFF_MAX):
+        self.max_restarts, self.window = max_restarts, window
+        self.backoff_min, self.backoff_max = backoff_min, backoff_max
+        self.restarts: dict[str, list[float]] = {}
+
+    def delay(self, name: str, now: float) -> float | None:
+        """``name`` died at ``now``: seconds to wait before starting it again, or None to give
+        up (it was restarted ``max_restarts`` times within the window)."""
+        recent = [t for t in self.restarts.get(name, []) if now - t < self.window]
+        if len(recent) >= self.max_restarts:
+            self.restarts[name] = recent
+            return None
+        self.restarts[name] = recent + [now]
+        return min(self.backoff_max, self.backoff_min * 2 ** len(recent))
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -50,7 +80,8 @@ class LocalCluster:
                  broker_args: list[str] | None = None, shard_args: list[str] | None = None,
                  quiet: bool = True, replicas: int = 1, shard_ids: list[str] | None = None,
                  shard_extra: dict[str, list[str]] | None = None, curve_dir: str | None = None,
-                 metrics_port: int | None = None):
+                 metrics_port: int | None = None, backend_port: int = 0, events_port: int = 0,
+                 data_dir: str | None = None, restore_from: dict[str, str] | None = None):
         if shards < 1:
             raise ValueError("a cluster needs at least one shard")
         self.n_shards = shards
@@ -63,6 +94,14 @@ class LocalCluster:
         self.shard_extra = shard_extra or {}
         self.replicas = replicas
         self.host, self.port, self.partitions = host, port, partitions
+        # the broker's shard and events ports (0: free ones); pinned once it bound them, so that
+        # a restarted broker comes back where shards and clients look for it
+        self.backend_port, self.events_port = backend_port, events_port
+        # shards checkpoint under data_dir and start from their newest checkpoint there, or,
+        # without one, from restore_from[shard id] (a checkpoint directory)
+        self.data_dir = data_dir
+        self.restore_from = restore_from or {}
+        self._started: set[str] = set()
         self.processes = processes
         self.ready_timeout = ready_timeout
         self.broker_args = broker_args or []
@@ -89,14 +128,7 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         try:
             if self.processes:
-                self.broker_proc = self._spawn(
-                    ["broker", "--host", self.host, "--port", str(self.port),
-                     "--partitions", str(self.partitions), "--replicas", str(self.replicas),
-                     *self._curve_args("broker"), *self._metrics_args(0), *self.broker_args])
-                line = self.broker_proc.stdout.readline().strip()
-                if not line.startswith("listening: "):
-                    raise GradbusError(f"broker failed to start (said {line!r})")
-                self.url = line.split(" ", 1)[1]
+                self.start_broker()
                 for sid in self.shard_ids:
                     self.add_shard(sid)
             else:
@@ -113,11 +145,50 @@ class LocalCluster:
             raise
         return self
 
+    def start_broker(self) -> None:
+        """Start the broker process; the first start pins the ports it bound."""
+        ports = ["--port", str(self.port)]
+        if self.backend_port:
+            ports += ["--backend-port", str(self.backend_port)]
+        if self.events_port:
+            ports += ["--events-port", str(self.events_port)]
+        self.broker_proc = self._spawn(
+            ["broker", "--host", self.host, *ports, "--partitions", str(self.partitions),
+             "--replicas", str(self.replicas), *self._curve_args("broker"),
+             *self._metrics_args(0), *self.broker_args])
+        line = self.broker_proc.stdout.readline().strip()
+        if not line.startswith("listening: "):
+            self.broker_proc.kill()
+            self.broker_proc.wait()
+            raise GradbusError(f"broker failed to start (said {line!r})")
+        self.url = line.split(" ", 1)[1]
+        if not (self.port and self.backend_port and self.events_port):
+            self.port = int(net.split_url(self.url)[1])
+            import zmq
+            welcome = net.hello(zmq.Context.instance(), self.url, "client", self.ready_timeout,
+                                curve=self.curve)
+            self.backend_port, self.events_port = welcome["backend"], welcome["events"]
+
+    def _restore_args(self, shard_id: str) -> list[str]:
+        """A shard's first start loads restore_from[shard id] where there is one; otherwise,
+        and at every restart, its newest checkpoint under data_dir."""
+        if self.data_dir is None:
+            return []
+        from gradbus.shards import checkpoint
+        path = None if shard_id in self._started else self.restore_from.get(shard_id)
+        if path is None:
+            ck = checkpoint.newest(self.data_dir, shard_id)
+            path = ck.path if ck is not None else self.restore_from.get(shard_id)
+        self._started.add(shard_id)
+        return ["--data-dir", self.data_dir] + (["--restore", path] if path else [])
+
     def add_shard(self, shard_id: str) -> None:
         if self.processes:
             self.shard_procs[shard_id] = self._spawn(
                 ["shard", "--broker", self.url, "--id", shard_id, *self._curve_args("shard"),
-                 *self._metrics_args(1 + len(self.shard_procs)), *self.shard_args,
+                 *self._metrics_args(1 + self.shard_ids.index(shard_id)
+                                     if shard_id in self.shard_ids else len(self.shard_procs)),
+                 *self.shard_args, *self._restore_args(shard_id),
                  *self.shard_extra.get(shard_id, [])])
         else:
             from gradbus.shards.server import ShardServer
@@ -174,8 +245,58 @@ class LocalCluster:
             if proc.stdout:
                 proc.stdout.close()
 
-    def stop(self) -> None:
-        end_processes([*self.shard_procs.values(), self.broker_proc])
+    def supervise(self, stop, policy: RestartPolicy | None = None, say=print,
+                  poll: float = 0.2) -> str | None:
+        """Keep the processes running until ``stop`` (a threading.Event) is set: a process
+        that dies is started again after ``policy``'s back-off (the broker on the ports it
+        had; a shard from its newest checkpoint with a data directory), and said so with
+        ``say(text)``. A shard that exits with status 0 stopped on purpose (drained) and is
+        not restarted. Returns None once ``stop`` is set, or why it gave up: a process that
+        died once more than ``policy`` allows, whose end this leaves to :meth:`stop`."""
+        policy = policy or RestartPolicy()
+        due: dict[str, float] = {}          # name -> when to start it again
+        while not stop.wait(poll):
+            now = time.monotonic()
+            for name, proc in [("broker", self.broker_proc), *self.shard_procs.items()]:
+                if name in due or proc is None or proc.poll() is None:
+                    continue
+                if proc.stdout:
+                    proc.stdout.close()
+                code = proc.returncode
+                if name != "broker":
+                    del self.shard_procs[name]
+                if name != "broker" and code == 0:
+                    say(f"{name} exited with 0")
+                    continue
+                delay = policy.delay(name, now)
+                if delay is None:
+                    return (f"{name} exited with {code}, its restart number "
+                            f"{policy.max_restarts + 1} within {policy.window:g}s: giving up")
+                say(f"{name} exited with {code}; starting it again in {delay:.1f}s")
+                due[name] = now + delay
+            for name, when in list(due.items()):
+                if now < when or stop.is_set():
+                    continue
+                del due[name]
+                try:
+                    if name == "broker":
+                        self.start_broker()
+                    else:
+                        self.add_shard(name)
+                except (GradbusError, OSError) as e:   # seen dead at the next poll
+                    say(f"{name} did not start: {e}")
+                    continue
+                say(f"{name} started again" + (f" on {self.url}" if name == "broker" else ""))
+        return None
+
+    def stop(self) -> dict[str, int]:
+        """Stop everything; returns the exit status of each process that was still running
+        (by name: "broker" or the shard id)."""
+        running = {n: p for n, p in [*self.shard_procs.items(), ("broker", self.broker_proc)]
+                   if p is not None and p.poll() is None}
+        codes = dict(zip(running, end_processes(list(running.values()))))
+        end_processes([p for p in [*self.shard_procs.values(), self.broker_proc]
+                       if p is not None and p not in running.values()])
         for s in self.shard_servers.values():
             s.stop()
         if self.broker is not None:
@@ -187,6 +308,7 @@ class LocalCluster:
         self.broker = None
         self.shard_procs.clear()
         self.broker_proc = None
+        return codes
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -217,4 +339,4 @@ def in_process(shards: int = 2, **kw) -> LocalCluster:
     return LocalCluster(shards, processes=False, **kw)
 
 
-__all__ = ["LocalCluster", "in_process", "free_ports"]
+__all__ = ["LocalCluster", "RestartPolicy", "end_processes", "free_ports", "in_process"]

@@ -1,0 +1,320 @@
+"""Serving commands: `gradbus broker`, `gradbus shard` (one process each, in the foreground),
+`gradbus up` (a local cluster) and `gradbus restore` (a local cluster from checkpoints)."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import click
+
+from gradbus import config
+from gradbus.broker.core import SHARD_CREDIT
+from gradbus.cli import options as opts
+from gradbus.cli import render
+from gradbus.cli.options import (
+    broker_option,
+    curve_options,
+    heartbeat_options,
+    metrics_options,
+    replicas_option,
+)
+from gradbus.cluster import RESTART_WINDOW, RESTARTS
+from gradbus.codecs.errors import GradbusError
+from gradbus.codecs.partition import DEFAULT_PARTITIONS
+
+
+@config.config_option
+@click.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535),
+              help="Client port (0: a free one).")
+@click.option("--backend-port", default=0, type=click.IntRange(0, 65535),
+              help="Shard port (0: a free one; shards learn it from the client port).")
+@click.option("--events-port", default=0, type=click.IntRange(0, 65535),
+              help="Events (weights) port (0: a free one).")
+@click.option("--partitions", default=DEFAULT_PARTITIONS, show_default=True,
+              type=click.IntRange(1, 65535), help="Partition count, fixed for the cluster's life.")
+@click.option("--batch-window", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Seconds to wait gathering pushes into a batch (0: batch what arrived together).")
+@click.option("--shard-credit", default=SHARD_CREDIT, show_default=True, type=click.IntRange(1, 1024),
+              help="Batches in flight to one shard.")
+@click.option("--max-pending-mb", default=512, show_default=True, type=click.IntRange(1),
+              help="Queued tensor MiB above which the broker stops reading clients.")
+@replicas_option
+@heartbeat_options
+@click.option("--fault-drop", default=0.0, type=click.FloatRange(0, 0.5), hidden=True,
+              help="Testing: drop this fraction of pushes in and acks out (seeded).")
+@click.option("--fault-seed", default=0, type=int, hidden=True)
+@curve_options("broker")
+@metrics_options
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="Append every batch to an update log in DIR (segment files), for exact "
+                   "rebuilds and point-in-time restore.")
+@click.option("--log-fsync", type=click.Choice(["always", "interval", "never"]),
+              default="interval", show_default=True,
+              help="always: before batches go out; interval: at most once a second; never.")
+@click.option("--replay-log", type=click.Path(exists=True, file_okay=False), default=None,
+              help="Replay this update log onto partitions the shards bring back (after their "
+                   "seq), and onto partitions none brings back.")
+@click.option("--replay-until", default=None,
+              help="Replay only batches logged at or before this time (unix seconds or ISO "
+                   "8601).")
+@click.option("--expect-shards", type=click.IntRange(1), default=None,
+              help="After a restart or restore: once this many shards registered, stop "
+                   "waiting for others to bring partitions back.")
+@click.option("-v", "--verbose", count=True)
+def broker(host, port, backend_port, events_port, partitions, batch_window, shard_credit,
+           max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
+           verbose, curve, metrics_port, metrics_host, log_dir, log_fsync, replay_log,
+           replay_until, expect_shards):
+    """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
+    with --metrics-port)."""
+    opts.setup_logging(verbose)
+    opts.server_process()
+    from gradbus.broker.server import BrokerServer
+    exporter = opts.exporter(metrics_port, metrics_host, "broker-metrics")
+    from gradbus.broker import log as ulog
+    log_kw = {}
+    try:
+        if replay_log:
+            log_kw.update(replay=ulog.LogIndex(replay_log),
+                          replay_until=opts.parse_time(replay_until, "--replay-until"))
+        if log_dir:
+            log_kw["log"] = ulog.UpdateLog(log_dir, log_fsync)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(f"update log: {e}")
+    try:
+        srv = BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
+                           partitions=partitions, batch_window=batch_window,
+                           shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20,
+                           replicas=replicas, heartbeat_interval=heartbeat_interval,
+                           liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed,
+                           curve=curve, on_metrics=exporter.update if exporter else None,
+                           expect_shards=expect_shards, **log_kw)
+    except Exception as e:
+        if exporter:
+            exporter.close()
+        raise click.ClickException(f"cannot start broker: {e}")
+    opts.on_signals(srv.stop)
+    click.echo(f"listening: {srv.url}", nl=True)
+    if exporter:
+        srv.core.metrics_url = exporter.url
+        click.echo(f"metrics: {exporter.url}")
+    sys.stdout.flush()
+    try:
+        srv.run()
+    finally:
+        if exporter:
+            exporter.close()
+        if log_kw.get("log"):
+            log_kw["log"].close()
+
+
+@config.config_option
+@click.group(invoke_without_command=True)
+@broker_option
+@click.option("--id", "shard_id", default=None, help="Shard id (default: a random one).")
+@click.option("--weights-codec", default="raw", show_default=True,
+              help="Codec chain for republished weights, e.g. raw, bf16, raw|shuffle|zstd; "
+                   "prefix delta| to send the change since the last publish.")
+@click.option("--nan-policy", type=click.Choice(["refuse", "allow"]), default="refuse",
+              show_default=True, help="What to do with a gradient holding NaN or Inf.")
+@click.option("--fault-apply-delay", default=0.0, type=click.FloatRange(0, 10), hidden=True,
+              help="Testing: sleep this long before each batch or snapshot (a slow shard).")
+@heartbeat_options
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Write checkpoints under DIR/<shard id>/ (off when unset).")
+@click.option("--checkpoint-interval", default=60.0, show_default=True,
+              type=click.FloatRange(0),
+              help="Seconds between checkpoints with --data-dir (0: only on request and at a "
+                   "clean stop).")
+@click.option("--checkpoint-keep", default=3, show_default=True, type=click.IntRange(1),
+              help="Checkpoints kept.")
+@click.option("--restore", "restore_path", type=click.Path(exists=True, file_okay=False),
+              default=None, help="Load this checkpoint directory before registering.")
+@curve_options("shard")
+@metrics_options
+@click.option("-v", "--verbose", count=True)
+@click.pass_context
+def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay,
+          heartbeat_interval, liveness, data_dir, checkpoint_interval, checkpoint_keep,
+          restore_path, verbose, curve, metrics_port, metrics_host):
+    """Run a shard in the foreground; it needs only the broker's client URL.
+    (`gradbus shard drain ID` moves everything off a running shard instead.)"""
+    if ctx.invoked_subcommand is not None:
+        return
+    opts.setup_logging(verbose)
+    opts.server_process()
+    from gradbus.shards.server import ShardServer
+    srv = ShardServer(broker_url, shard_id, weights_codec=weights_codec, nan_policy=nan_policy,
+                      apply_delay=fault_apply_delay, heartbeat_interval=heartbeat_interval,
+                      liveness=liveness, data_dir=data_dir,
+                      checkpoint_interval=checkpoint_interval,
+                      checkpoint_keep=checkpoint_keep, restore=restore_path, curve=curve)
+    exporter = opts.exporter(metrics_port, metrics_host, f"{srv.shard_id}-metrics")
+    if exporter:
+        srv.on_metrics, srv.metrics_url = exporter.update, exporter.url
+        click.echo(f"metrics: {exporter.url}")
+        sys.stdout.flush()
+    opts.on_signals(srv.stop)
+    try:
+        srv.run()
+    finally:
+        if exporter:
+            exporter.close()
+
+
+@config.config_option
+@click.command()
+@click.option("--shards", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535),
+              help="Client port (0: a free one).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--partitions", default=DEFAULT_PARTITIONS, show_default=True,
+              type=click.IntRange(1, 65535))
+@replicas_option
+@click.option("--curve", "curve_dir", type=click.Path(file_okay=False), default=None,
+              metavar="DIR", help="CURVE on: generate (or reuse) broker, shard and client keys "
+                                  "in DIR; clients use DIR/client.key_secret and DIR/broker.key.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Prometheus metrics: the broker on PORT, shard i on PORT+1+i (0: free ports; "
+                   "unset: off). `gradbus status --json` lists every URL.")
+@click.option("--backend-port", default=None, type=click.IntRange(0, 65535),
+              help="The broker's shard port (default: a free one, kept across its restarts).")
+@click.option("--events-port", default=None, type=click.IntRange(0, 65535),
+              help="The broker's events port (default: a free one, kept across its restarts).")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Shards checkpoint under DIR/<shard id>/ and start (and restart) from their "
+                   "newest checkpoint there (default: the [shard] data_dir setting; unset: "
+                   "no checkpoints).")
+@click.option("--max-restarts", default=RESTARTS, show_default=True, type=click.IntRange(0),
+              help=f"Restarts of one process within {RESTART_WINDOW:g}s before up gives up "
+                   "and exits non-zero (0: none).")
+def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backend_port,
+       events_port, data_dir, max_restarts):
+    """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM.
+
+    A process that dies is started again after a back-off: the broker on the same ports, a
+    shard from its newest checkpoint in --data-dir. up exits non-zero when one keeps dying,
+    or when a process fails at the stop (a shard whose final checkpoint failed)."""
+    from gradbus.cluster import LocalCluster, RestartPolicy
+    stop = threading.Event()
+    opts.on_signals(stop.set)
+    ctx = click.get_current_context()
+    forward = config.forward_args(ctx)   # children read the same file
+    if replicas > shards:
+        raise click.BadParameter(f"{replicas} replicas need at least as many shards "
+                                 f"(--shards {shards})", param_hint="--replicas")
+    if data_dir is None:    # the shards read the setting too: up restarts them from it
+        data_dir = config.resolve(config.loaded(ctx))["shard.data_dir"].value
+    try:
+        cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False,
+                               replicas=replicas, broker_args=forward, shard_args=forward,
+                               curve_dir=curve_dir, metrics_port=metrics_port,
+                               backend_port=backend_port or 0, events_port=events_port or 0,
+                               data_dir=data_dir)
+    except (GradbusError, OSError) as e:
+        raise click.ClickException(str(e))
+    _run_cluster(cluster, stop, RestartPolicy(max_restarts))
+
+
+def _run_cluster(cluster, stop: threading.Event, policy=None) -> None:
+    """Start a local cluster, say 'ready: URL', and keep its processes running
+    (:meth:`LocalCluster.supervise`) until a signal; exits non-zero when it gave up on one or
+    when one failed at the stop."""
+    cluster.start()
+    gave_up = None
+    try:
+        click.echo(f"ready: {cluster.url}")
+        if getattr(cluster, "keys", None) is not None:
+            click.echo(f"curve: clients use --curve-secret {cluster.keys.path('client', True)} "
+                       f"--curve-server-key {cluster.keys.path('broker')}")
+        sys.stdout.flush()
+        gave_up = cluster.supervise(stop, policy, say=lambda text: click.echo(text, err=True))
+    finally:
+        codes = cluster.stop()
+        click.echo("stopped")
+    failed = [f"{name} exited with {code}" for name, code in codes.items() if code != 0]
+    if failed:
+        failed[-1] += (" while stopping (a shard whose final checkpoint failed exits non-zero: "
+                       "see its log above)")
+    if gave_up or failed:
+        raise click.ClickException("; ".join(([gave_up] if gave_up else []) + failed))
+
+
+@click.command()
+@click.option("--from", "source", required=True, type=click.Path(exists=True, file_okay=False),
+              help="A data directory shards checkpointed into (DIR/<shard id>/ckpt-...).")
+@click.option("--at", "at", default=None,
+              help="Restore each shard's newest checkpoint taken at or before this time "
+                   "(unix seconds or ISO 8601; default: the newest).")
+@click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535))
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--partitions", default=DEFAULT_PARTITIONS, show_default=True,
+              type=click.IntRange(1, 65535), help="Must match the checkpointed cluster's.")
+@replicas_option
+@click.option("--data-dir", default=None, type=click.Path(file_okay=False),
+              help="Where the restored shards write their checkpoints: any folder but --from "
+                   "(default: a new one, FROM/restores/<time>/).")
+@click.option("--log", "log_dir", default=None, type=click.Path(exists=True, file_okay=False),
+              help="The broker's update log (--log-dir): replay it on top of the checkpoints "
+                   "up to --at, so the state is exact to the update.")
+@click.option("--dry-run", is_flag=True, help="Print what would be restored and exit.")
+def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry_run):
+    """Start a local cluster from checkpoints: one shard per checkpointed shard id, each loading
+    its newest checkpoint at or before --at, in the foreground until Ctrl-C or SIGTERM."""
+    from gradbus.cluster import LocalCluster
+    from gradbus.shards import checkpoint
+    when = opts.parse_time(at)
+    if data_dir is not None and _same_dir(data_dir, source):
+        raise click.BadParameter("must not be --from: a restored cluster never writes into the "
+                                 "history it reads (leave --data-dir out for a new folder "
+                                 f"{os.path.join(source, RESTORES, '<time>')})",
+                                 param_hint="--data-dir")
+    chosen = {}
+    ids = checkpoint.shards_in(source) or (["shard-0"] if log_dir else [])
+    for sid in ids:
+        ck = checkpoint.newest(source, sid, when)
+        if ck is not None:
+            chosen[sid] = ck
+    if not chosen and not log_dir:
+        raise click.ClickException(f"no checkpoint in {source}"
+                                   + (f" taken at or before {at}" if at else ""))
+    click.echo(render.restore_plan_text(ids, chosen, log_dir, at))
+    if dry_run:
+        return
+    stop = threading.Event()
+    opts.on_signals(stop.set)
+    ddir = data_dir or _new_timeline(source)
+    click.echo(f"new checkpoints go to {ddir}")
+    replay = ["--replay-log", log_dir, "--expect-shards", str(len(ids))] + (
+        ["--replay-until", repr(when)] if when else []) if log_dir else []
+    cluster = LocalCluster(len(ids), port=port, host=host, partitions=partitions, quiet=False,
+                           replicas=replicas, shard_ids=ids, broker_args=replay, data_dir=ddir,
+                           restore_from={sid: ck.path for sid, ck in chosen.items()})
+    _run_cluster(cluster, stop)
+
+
+RESTORES = "restores"     # FROM/restores/<time>/: the checkpoints of clusters restored from FROM
+
+
+def _same_dir(a: str, b: str) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _new_timeline(source: str) -> str:
+    """A new folder FROM/restores/<local time>[-N]/ for a restored cluster's checkpoints: no
+    shard id of FROM is named "restores", so restores from FROM never see these."""
+    import datetime
+    base = os.path.join(source, RESTORES,
+                        datetime.datetime.now().strftime("%Y-%m-%dT%H-%M-%S"))
+    os.makedirs(os.path.dirname(base), exist_ok=True)
+    for n in range(1, 1000):
+        path = base if n == 1 else f"{base}-{n}"
+        try:
+            os.mkdir(path)
+            return path
+        except FileExistsError:
+            continue
+    raise click.ClickException(f"cannot make a new folder under {os.path.dirname(base)}")

@@ -1,0 +1,242 @@
+"""`gradbus up` keeps its processes running: a broker or shard that dies is started again (the
+broker on its ports, a shard from its checkpoints), within a bounded number of restarts; up
+exits non-zero when it gives up, or when a process fails at the stop."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import zmq
+
+import gradbus
+from gradbus import admin
+from gradbus.cluster import RestartPolicy
+from gradbus.codecs import net
+
+from .conftest import _zombie_or_gone, wait_for
+
+LR = 2.0 ** -6
+FAST = {"GRADBUS_BROKER_HEARTBEAT_INTERVAL": "0.1", "GRADBUS_BROKER_LIVENESS": "5"}
+
+
+# -- the restart policy, without processes --------------------------------------------------
+
+def test_restart_policy_backs_off_and_gives_up_within_its_window():
+    p = RestartPolicy(max_restarts=3, window=60.0, backoff_min=0.5, backoff_max=1.5)
+    assert [p.delay("broker", t) for t in (0.0, 1.0, 2.0)] == [0.5, 1.0, 1.5]
+    assert p.delay("broker", 3.0) is None           # a fourth death within 60 s: give up
+    assert p.delay("shard-0", 3.0) == 0.5            # counted per process
+    assert p.delay("broker", 61.5) == 1.0            # the deaths at 0 and 1 s left the window
+    assert RestartPolicy(max_restarts=0).delay("broker", 0.0) is None
+
+
+# -- up as a real process tree ----------------------------------------------------------------
+
+class Up:
+    """`gradbus up ARGS` with its stderr in a file; the processes it runs by role."""
+
+    def __init__(self, tmp_path, *args):
+        self.err_path = tmp_path / "up.err"
+        self.err = open(self.err_path, "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gradbus", "up", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=self.err, text=True, env={**os.environ, **FAST})
+        self.seen: set[int] = set()
+
+    def ready(self) -> str:
+        line = wait_for(lambda: self.proc.stdout.readline().strip(), 60, "the ready line")
+        assert line.startswith("ready: "), (line, self.stderr())
+        self.url = line.split(" ", 1)[1]
+        return self.url
+
+    def children(self) -> dict[str, int]:
+        """role ("broker" or the shard id) -> pid, of the processes alive under up."""
+        out = {}
+        try:
+            with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+                pids = [int(x) for x in f.read().split()]
+        except FileNotFoundError:
+            return {}
+        for pid in pids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().decode().split("\0")
+            except FileNotFoundError:
+                continue
+            if _zombie_or_gone(pid) or "gradbus" not in argv:
+                continue
+            cmd = argv[argv.index("gradbus") + 1]
+            if cmd not in ("broker", "shard"):   # forked, not yet the program it runs
+                continue
+            self.seen.add(pid)
+            out["broker" if cmd == "broker" else argv[argv.index("--id") + 1]] = pid
+        return out
+
+    def stderr(self) -> str:
+        self.err.flush()
+        return self.err_path.read_text()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.proc.stdout.close()
+        self.err.close()
+        for pid in self.seen:       # every child ends with up (PR_SET_PDEATHSIG)
+            wait_for(lambda pid=pid: _zombie_or_gone(pid), 10, f"child {pid} to exit")
+
+
+@pytest.fixture
+def up(tmp_path):
+    started = []
+
+    def start(*args) -> Up:
+        u = Up(tmp_path, *args)
+        started.append(u)
+        return u
+    yield start
+    for u in started:
+        u.close()
+
+
+def _ports(url: str) -> tuple[int, int]:
+    h = net.hello(zmq.Context.instance(), url, "client", 5.0)
+    return h["backend"], h["events"]
+
+
+def _alive(url: str) -> int:
+    try:
+        return sum(1 for s in admin.status(url, timeout=1.0)["shards"] if s["alive"])
+    except gradbus.GradbusError:
+        return 0
+
+
+def test_a_sigkilled_broker_comes_back_on_its_ports_and_no_acked_push_is_lost(up):
+    u = up("--shards", "2")
+    url = u.ready()
+    ports = _ports(url)
+    first = u.children()
+    assert set(first) == {"broker", "shard-0", "shard-1"}
+    n, w0 = 40, np.full(3000, 1.0, np.float32)
+    with gradbus.connect(url, block_bytes=2048, resend_after=0.5) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        for _ in range(n):
+            c.push({"w": np.ones_like(w0)}, acks=1)
+        c.flush()
+        os.kill(first["broker"], signal.SIGKILL)
+        wait_for(lambda: u.children().get("broker") not in (None, first["broker"]), 30,
+                 "up to start the broker again")
+        wait_for(lambda: _alive(url) == 2, 30, "the shards to register with it")
+        assert _ports(url) == ports                 # the same client, shard and events ports
+        for _ in range(n):
+            c.push({"w": np.ones_like(w0)})
+        c.flush(30)
+        w = c.pull(["w"], min_version=2 * n, timeout=30)["w"]
+    assert np.array_equal(w, w0 - 2 * n * LR)
+    assert {k: v for k, v in u.children().items() if k != "broker"} == {
+        "shard-0": first["shard-0"], "shard-1": first["shard-1"]}   # the shards stayed up
+    assert "broker exited with -9; starting it again" in u.stderr()
+    u.proc.send_signal(signal.SIGTERM)
+    assert u.proc.wait(30) == 0, u.stderr()
+
+
+def test_a_sigkilled_shard_is_started_again_from_its_checkpoint(up, tmp_path):
+    data = tmp_path / "data"
+    u = up("--shards", "1", "--data-dir", str(data))
+    url = u.ready()
+    first = u.children()
+    w0 = np.full(3000, 1.0, np.float32)
+    with gradbus.connect(url, block_bytes=2048, resend_after=0.5) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        for _ in range(10):
+            c.push({"w": np.ones_like(w0)}).result(10)
+        ck = admin.checkpoint(url)[0]["path"]
+        assert ck.startswith(str(data / "shard-0"))
+        os.kill(first["shard-0"], signal.SIGKILL)
+        pid = wait_for(lambda: u.children().get("shard-0") not in (None, first["shard-0"])
+                       and u.children()["shard-0"], 30, "up to start the shard again")
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert ["--restore", ck] == [a for a in f.read().decode().split("\0")
+                                         if a in ("--restore", ck)]
+        wait_for(lambda: _alive(url) == 1 and not admin.status(url)["partitions_down"], 30,
+                 "the shard back with its partitions")
+        c.push({"w": np.ones_like(w0)}).result(20)
+        w = c.pull(["w"], min_version=11, timeout=30)["w"]
+    assert np.array_equal(w, w0 - 11 * LR)
+    assert "shard-0 exited with -9; starting it again" in u.stderr()
+    u.proc.send_signal(signal.SIGTERM)
+    assert u.proc.wait(30) == 0, u.stderr()
+
+
+def test_a_broker_that_keeps_dying_makes_up_give_up_non_zero(up):
+    u = up("--shards", "1", "--max-restarts", "2")
+    u.ready()
+    killed = []
+    for _ in range(3):          # two restarts allowed: the third death is one too many
+        broker = wait_for(lambda: u.children().get("broker") not in (None, *killed)
+                          and u.children()["broker"], 30, "a broker to kill")
+        os.kill(broker, signal.SIGKILL)
+        killed.append(broker)
+    assert u.proc.wait(60) == 1
+    err = u.stderr()
+    assert err.count("broker exited with -9; starting it again") == 2, err
+    assert "Error: broker exited with -9, its restart number 3 within 60s: giving up" in err, err
+
+
+def test_a_shard_that_fails_at_the_stop_makes_up_exit_non_zero(up):
+    u = up("--shards", "1")
+    u.ready()
+    shard = u.children()["shard-0"]
+    os.kill(shard, signal.SIGSTOP)          # it cannot stop cleanly: killed after the grace
+    try:
+        u.proc.send_signal(signal.SIGTERM)
+        assert u.proc.wait(60) == 1
+    finally:
+        if not _zombie_or_gone(shard):
+            os.kill(shard, signal.SIGCONT)
+    assert "shard-0 exited with -9 while stopping" in u.stderr()
+
+
+def test_a_stop_code_of_a_shard_is_what_up_exits_with(monkeypatch):
+    """up's own logic, with a cluster whose shard exited 1 at the stop (as a shard whose final
+    checkpoint failed does)."""
+    import click
+
+    from gradbus.cli import serve
+
+    class Cluster:
+        url, keys = "tcp://127.0.0.1:1", None
+
+        def start(self):
+            pass
+
+        def supervise(self, stop, policy, say):
+            return None
+
+        def stop(self):
+            return {"shard-0": 1, "shard-1": 0, "broker": 0}
+    with pytest.raises(click.ClickException) as e:
+        serve._run_cluster(Cluster(), threading.Event())
+    assert "shard-0 exited with 1 while stopping" in e.value.message
+    assert "final checkpoint" in e.value.message
+
+
+@pytest.mark.xfail(reason="needs a shard that exits non-zero when its final checkpoint fails",
+                   strict=False)
+def test_a_failed_final_checkpoint_makes_up_exit_non_zero(up, tmp_path):
+    data = tmp_path / "data"
+    u = up("--shards", "1", "--data-dir", str(data))
+    u.ready()
+    assert "shard-0" in u.children()
+    import shutil
+    shutil.rmtree(data / "shard-0", ignore_errors=True)
+    data.mkdir(exist_ok=True)
+    (data / "shard-0").write_text("not a folder")      # the final checkpoint cannot be written
+    u.proc.send_signal(signal.SIGTERM)
+    assert u.proc.wait(60) == 1
+    assert "shard-0 exited with" in u.stderr()

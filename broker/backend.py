@@ -165,10 +165,13 @@ class ShardEvents:
                 # named in heartbeats, so subscribers see they missed it and re-snapshot.
                 if seq > sq.published_seq.get(p, 0):
                     sq.published_seq[p] = seq
-                grown = self.catalog.learn_rows(p, part.get("tr"))
-                if grown:
-                    tb.account(p, grown)
-                self.catalog.learn_versions(part.get("vers", {}))
+                tr, vers = part.get("tr"), part.get("vers")
+                if tr is not None:
+                    grown = self.catalog.learn_rows(p, tr)
+                    if grown:
+                        tb.account(p, grown)
+                if vers:
+                    self.catalog.learn_versions(vers)
             b = sq.inflight.get((p, seq))
             if b is None:
                 continue

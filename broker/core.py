@@ -113,9 +113,6 @@ class BrokerCore:
         """False while queued tensor bytes exceed the bound: the loop stops reading clients."""
         return self.sequencer.accepting()
 
-    def _at(self, now: float) -> None:
-        self.now = self.settlement.now = self.recovery.now = now
-
     def _coalesce(self, actions: list) -> list:
         """The one step after every event: the pushes acknowledged in it become one ACK
         message per client, ``{"msg": first, "msgs": [all]}`` (a send per client, not per
@@ -143,7 +140,7 @@ class BrokerCore:
     # ------------------------------------------------------------------ frontend
     def on_frontend(self, identity: bytes, frames: list, now: float) -> list:
         self.meters.counters["frontend_msgs"] += 1
-        self._at(now)
+        self.now = self.settlement.now = self.recovery.now = now
         if not frames:
             self.meters.errors[Code.BAD_FRAME.value] += 1
             return []
@@ -298,7 +295,7 @@ class BrokerCore:
         """Turn pending entries into sequenced batches: one message per replica group that has
         credit, the same header and tensor frames to every replica of those partitions; then
         the reads no queued entry blocks."""
-        self._at(now)
+        self.now = self.settlement.now = self.recovery.now = now
         actions = []
         replaying = self.recovery.replaying
         if replaying:
@@ -319,7 +316,7 @@ class BrokerCore:
         REGISTER the core answered with :class:`~.actions.ReadLog`."""
         if log_index is None:
             self.meters.counters["backend_msgs"] += 1
-        self._at(now)
+        self.now = self.settlement.now = self.recovery.now = now
         ev = self.shard_events
         try:
             h = wire.unpack_header(frames[0], wire.BACKEND_KINDS) if frames else None
@@ -372,7 +369,7 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ clock
     def on_tick(self, now: float) -> list:
-        self._at(now)
+        self.now = self.settlement.now = self.recovery.now = now
         rb, st = self.rebalance, self.settings
         actions = self.shard_events.silent(now)
         if rb.handover:      # a moved primary that never reported its last batches

@@ -4,7 +4,7 @@ The configuration file reader and the command line import the defaults from here
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from gradbus.codecs import timing, wire
 
@@ -61,7 +61,3 @@ class Settings:
     def recovery_grace(self) -> float:
         """After a start, how long shards that held partitions may take to register again."""
         return 2 * (self.shard_deadline + timing.RECONNECT_MAX)
-
-    @classmethod
-    def names(cls) -> frozenset:
-        return frozenset(f.name for f in fields(cls))

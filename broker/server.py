@@ -53,6 +53,8 @@ class BrokerServer:
         self.log = log
         if log is not None:
             core_kw["log_fsync"] = log.fsync
+        elif core_kw.get("log_fsync"):
+            raise ValueError("log_fsync needs an update log (log=)")
         self.core = BrokerCore(now=clock(), **core_kw)
         # the core's event handlers, through fault injection when there is some
         self.handlers = FaultInjector(self.core, fault_drop, fault_seed) if fault_drop \

@@ -12,13 +12,13 @@ last segment (a crash mid-write) is ignored on reading.
 
 fsync policies: ``always`` (before the batch goes to the shards, so an acknowledged push is on
 disk), ``interval`` (at most once a second: a crash may lose the last second of the log, never
-the shards' state), ``never`` (the OS decides).
+the shards' state), ``never`` (the OS decides). The broker core decides when to fsync (on its
+injected clock) and asks the loop to; this module only writes, syncs and reads.
 """
 from __future__ import annotations
 
 import os
 import struct
-import time
 import zlib
 
 import msgpack
@@ -42,7 +42,6 @@ class UpdateLog:
         self._f = None
         self._size = 0
         self._dirty = False
-        self._last_sync = time.monotonic()
         self.records = 0
         self.bytes = 0
 
@@ -87,22 +86,13 @@ class UpdateLog:
             self.records += 1
             self.bytes += _HEAD.size + body_len
         self._dirty = True
-        if self.fsync == "always":
-            self.sync()
-        elif self.fsync == "interval" and time.monotonic() - self._last_sync >= 1.0:
-            self.sync()
-
-    def maybe_sync(self) -> None:
-        """For ``interval``: fsync what was written if the last fsync is a second old."""
-        if self._dirty and time.monotonic() - self._last_sync >= 1.0:
-            self.sync()
 
     def sync(self) -> None:
+        """Write out and fsync what was appended."""
         if self._f is not None and self._dirty:
             self._f.flush()
             os.fsync(self._f.fileno())
             self._dirty = False
-        self._last_sync = time.monotonic()
 
     def close(self) -> None:
         if self._f is not None:

@@ -10,6 +10,10 @@ allow directory) all three are CURVE servers and a ZAP thread admits only the al
 The loop drains what is ready (backend first, so credit returns before new work is batched),
 then flushes batches: pushes that arrived together for a partition go to its shard as one batch.
 Tensor frames are received with ``copy=False`` and sent on as the same frames.
+
+The loop does the core's I/O: it carries out its typed actions (:mod:`.actions`), writes and
+fsyncs the update log when asked, reads it for a returning shard's REGISTER and hands the
+contents back, and applies fault injection (``fault_drop``, tests) at the transport.
 """
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ import zmq
 
 from gradbus.codecs import net, security
 
-from .core import FRONT, PUB, BrokerCore
+from . import log as ulog
+from .actions import AppendLog, Publish, ReadLog, SyncLog, ToClient, ToShard
+from .core import BrokerCore
+from .faults import FaultInjector
 
 log = logging.getLogger("gradbus.broker")
 
@@ -36,11 +43,22 @@ class BrokerServer:
     def __init__(self, host: str = "127.0.0.1", port: int = 5555, *, backend_port: int = 0,
                  events_port: int = 0, batch_window: float = 0.0, clock=time.monotonic,
                  ctx: zmq.Context | None = None, curve: security.Curve | None = None,
-                 on_metrics=None, **core_kw):
+                 on_metrics=None, log: ulog.UpdateLog | None = None, fault_drop: float = 0.0,
+                 fault_seed: int = 0, **core_kw):
+        """``log``: the update log to write (batches, as they go out); ``core_kw``: the
+        core's (partitions, replay, and the fields of :class:`~.settings.Settings`)."""
         self.clock = clock
         self.on_metrics = on_metrics   # called with a metrics snapshot every tick
         self.batch_window = batch_window
+        self.log = log
+        if log is not None:
+            core_kw["log_fsync"] = log.fsync
+        elif core_kw.get("log_fsync"):
+            raise ValueError("log_fsync needs an update log (log=)")
         self.core = BrokerCore(now=clock(), **core_kw)
+        # the core's event handlers, through fault injection when there is some
+        self.handlers = FaultInjector(self.core, fault_drop, fault_seed) if fault_drop \
+            else self.core
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.host = host
@@ -98,15 +116,31 @@ class BrokerServer:
     def _do(self, actions) -> None:
         for act in actions:
             try:
-                if act[0] == PUB:
-                    self.events.send_multipart(act[1], copy=False)
-                else:
-                    sock = self.frontend if act[0] == FRONT else self.backend
-                    sock.send_multipart([act[1], *act[2]], copy=False)
+                match act:
+                    case ToClient(identity, frames):
+                        self.frontend.send_multipart([identity, *frames], copy=False)
+                    case ToShard(identity, frames):
+                        self.backend.send_multipart([identity, *frames], copy=False)
+                    case Publish(frames):
+                        self.events.send_multipart(frames, copy=False)
+                    case AppendLog(parts, t_list, frames, at):
+                        self.log.append(parts, t_list, frames, at)
+                    case SyncLog():
+                        self.log.sync()
+                    case ReadLog(identity, frames):
+                        self._do(self._with_log(identity, frames))
+                    case _:
+                        raise TypeError(f"unknown action {act!r}")
             except zmq.ZMQError as e:
                 # Peer gone (EHOSTUNREACH) or stuck past SNDTIMEO: count it, keep serving.
                 self.send_failures += 1
                 self.core.errors["send_" + (zmq.strerror(e.errno) or str(e.errno))] += 1
+
+    def _with_log(self, identity: bytes, frames: list) -> list:
+        """A REGISTER the core wants this broker's update log for: read it, hand it over."""
+        self.log.sync()
+        index = ulog.LogIndex(self.log.dir)
+        return self.handlers.on_backend(identity, frames, self.clock(), log_index=index)
 
     def _drain(self, sock, handler, limit: int) -> int:
         n = 0
@@ -132,7 +166,7 @@ class BrokerServer:
         poller.register(self.backend, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)   # subscription notices: read and discarded
         front_registered = False
-        tick_every = self.core.hb_interval / 2
+        tick_every = self.core.settings.heartbeat_interval / 2
         next_tick = self.clock()
         first_pending = None
         try:
@@ -152,9 +186,9 @@ class BrokerServer:
                 if self.events in events:
                     self._drain_subscriptions()
                 if self.backend in events:
-                    self._drain(self.backend, self.core.on_backend, DRAIN_MAX)
+                    self._drain(self.backend, self.handlers.on_backend, DRAIN_MAX)
                 if front_registered and self.frontend in events:
-                    self._drain(self.frontend, self.core.on_frontend, DRAIN_MAX)
+                    self._drain(self.frontend, self.handlers.on_frontend, DRAIN_MAX)
                 now = self.clock()
                 if self.core.has_flushable():
                     # Work a shard could take now. (Entries waiting on a shard without credit
@@ -162,17 +196,17 @@ class BrokerServer:
                     if first_pending is None:
                         first_pending = now
                     if now - first_pending >= self.batch_window:
-                        self._do(self.core.flush(now))
+                        self._do(self.handlers.flush(now))
                         first_pending = None
                 else:
                     first_pending = None
                 if now >= next_tick:
                     # read what shards sent meanwhile before judging their liveness
-                    if self._drain(self.backend, self.core.on_backend, DRAIN_MAX):
+                    if self._drain(self.backend, self.handlers.on_backend, DRAIN_MAX):
                         now = self.clock()
                     if self.handshakes is not None:   # refused CURVE handshakes, in errors
                         self.handshakes.drain(self.core.errors)
-                    self._do(self.core.on_tick(now))
+                    self._do(self.handlers.on_tick(now))
                     if self.on_metrics is not None:
                         self.on_metrics(self.core.metrics(now))
                     next_tick = now + tick_every
@@ -195,6 +229,8 @@ class BrokerServer:
         self.stopping.set()
 
     def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
         if self.handshakes is not None:
             self.handshakes.close()
         for s in (self.frontend, self.backend, self.events):

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 import click
 
-from gradbus.broker.core import SHARD_CREDIT
+from gradbus.broker.settings import SHARD_CREDIT
 from gradbus.codecs import net, timing, wire
 from gradbus.codecs.errors import GradbusError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS

@@ -211,7 +211,7 @@ def test_register_holds_are_validated():
     from gradbus.broker.core import BrokerCore
     b = BrokerCore(8)
     out = b.on_backend(b"s", [wire.pack(wire.REGISTER, shard="s", holds=[[99, 1, 1]])], 0)
-    assert b"BAD_FIELD" in out[0][2][0]
+    assert b"BAD_FIELD" in out[0].frames[0]
 
 
 def test_a_push_resent_through_a_restarted_broker_applies_once():

@@ -185,12 +185,10 @@ def test_rebalance_and_drain_commands(make_cluster):
         assert r.returncode != 0 and "no live shard" in r.stderr
 
 
-def test_partitions_catch_up_a_bounded_number_of_bytes_at_a_time(monkeypatch):
+def test_partitions_catch_up_a_bounded_number_of_bytes_at_a_time():
     """Moves start while the bytes of the copies catching up stay under MAX_SYNC_BYTES (one
     partition always may): states in transit delay the heartbeats queued behind them."""
-    from gradbus.broker import core as bcore
-    monkeypatch.setattr(bcore, "MAX_SYNC_BYTES", 600)    # about two partitions of this tensor
-    rig = RepRig(("s0",))
+    rig = RepRig(("s0",), max_sync_bytes=600)     # about two partitions of this tensor
     layout = _tensor(rig, n=1024)                 # 256 blocks of 16 B over 16 partitions
     rig.shards["s1"] = ShardCore("s1")
     rig.intercept = lambda sid, kind: sid == "s1" and kind == "state"   # states in transit

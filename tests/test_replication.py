@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradbus.broker.core import BACK, BrokerCore
+from gradbus.broker.actions import ToShard
+from gradbus.broker.core import BrokerCore
+from gradbus.broker.faults import FaultInjector
 from gradbus.codecs import wire
 from gradbus.codecs.partition import partition_of
 from gradbus.shards.core import ShardCore
@@ -25,8 +27,8 @@ class RepRig(Rig):
 
     def deliver(self, actions):
         for a in actions:
-            if a[0] == BACK and self.intercept and self.intercept(
-                    a[1].decode(), unpack(a[2][0])["kind"]):
+            if isinstance(a, ToShard) and self.intercept and self.intercept(
+                    a.identity.decode(), unpack(a.frames[0])["kind"]):
                 self.held.append(a)
                 continue
             super().deliver([a])
@@ -34,10 +36,10 @@ class RepRig(Rig):
     def release(self, sid=None):
         keep, go = [], []
         for a in self.held:
-            (go if sid is None or a[1].decode() == sid else keep).append(a)
+            (go if sid is None or a.identity.decode() == sid else keep).append(a)
         self.held = keep
         for a in go:
-            self.to_shard(a[1].decode(), a[2])
+            self.to_shard(a.identity.decode(), a.frames)
 
     def register(self, sid):
         self.deliver(self.broker.on_backend(sid.encode(), [wire.pack(
@@ -209,13 +211,14 @@ def test_losing_the_only_copy_still_fails_fast():
 @pytest.mark.parametrize("drop", [0.3])
 def test_fault_drop_is_seeded_and_counted(drop):
     def run():
-        b = BrokerCore(16, replicas=1, fault_drop=drop, fault_seed=7)
+        core = BrokerCore(16, replicas=1)
+        b = FaultInjector(core, drop, seed=7)     # at the transport, as the server loop does
         b.on_backend(b"s0", [wire.pack(wire.REGISTER, shard="s0")], 0)
         frames, layout = init_msg(1, "w", np.zeros(4, np.float32))
         b.on_frontend(b"c", frames, 0)
         out = [b.on_frontend(b"c", push_msg(m, layout, np.ones(4, np.float32)), 0)
                for m in range(2, 40)]
-        return b.counters["fault_dropped_pushes"], [len(o) for o in out]
+        return core.counters["fault_dropped_pushes"], [len(o) for o in out]
     first, second = run(), run()
     assert first == second and 3 <= first[0] <= 25
 

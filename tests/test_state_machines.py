@@ -7,7 +7,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from gradbus.broker.core import BACK, FRONT, PUB, BrokerCore
+from gradbus.broker.actions import Publish, ToClient, ToShard
+from gradbus.broker.core import BrokerCore
 from gradbus.codecs import wire
 from gradbus.codecs.partition import TensorLayout, partition_of
 from gradbus.shards.core import ShardCore
@@ -23,7 +24,7 @@ def unpack(frame) -> dict:
 
 
 def sends(actions, where):
-    return [a for a in actions if a[0] == where]
+    return [a for a in actions if isinstance(a, where)]
 
 
 class Rig:
@@ -43,15 +44,15 @@ class Rig:
 
     def deliver(self, actions):
         for a in actions:
-            if a[0] == FRONT:
-                self.to_clients.append((a[1], [bytes(f) for f in a[2]]))
-            elif a[0] == PUB:
-                self.published.append([bytes(f) for f in a[1]])
-            elif a[0] == BACK:
-                if self.hold and unpack(a[2][0])["kind"] == "batch":
+            if isinstance(a, ToClient):
+                self.to_clients.append((a.identity, [bytes(f) for f in a.frames]))
+            elif isinstance(a, Publish):
+                self.published.append([bytes(f) for f in a.frames])
+            elif isinstance(a, ToShard):
+                if self.hold and unpack(a.frames[0])["kind"] == "batch":
                     self.held.append(a)
                     continue
-                self.to_shard(a[1].decode(), a[2])
+                self.to_shard(a.identity.decode(), a.frames)
 
     def to_shard(self, sid, frames):
         if unpack(frames[0])["kind"] in ("registered", "heartbeat"):
@@ -125,7 +126,7 @@ def test_batching_while_shard_has_no_credit_sums_pushes():
     assert len(rig.held) == 1
     rig.hold = False
     first = rig.held.pop()
-    rig.to_shard("s0", first[2])              # APPLIED returns credit -> next flush
+    rig.to_shard("s0", first.frames)              # APPLIED returns credit -> next flush
     rig.deliver(rig.broker.flush(rig.now))
     last = unpack(rig.to_clients[-1][1][0])
     assert last["kind"] == "ack" and last["msgs"] == [3, 4, 5]   # one ACK for the batch

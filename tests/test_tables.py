@@ -13,6 +13,7 @@ from gradbus import admin
 from gradbus.codecs import specs, wire
 from gradbus.codecs.errors import Code
 from gradbus.codecs.partition import row_key, row_partitions
+from gradbus.broker.actions import ToClient
 from gradbus.broker.core import BrokerCore
 from gradbus.shards.core import ShardCore
 from gradbus.shards.rows import row_init
@@ -83,7 +84,7 @@ def test_a_read_goes_out_after_the_readers_push_and_never_creates_rows():
     other = int(np.flatnonzero(parts == parts[5])[1])     # another id of 5's partition
     q = [[int(parts[5]), np.array([5, other], np.int64).tobytes()]]
     rig.client(b"c", [wire.pack(wire.ROWS, req=9, table="emb", q=q)])
-    assert [unpack(a[2][0])["kind"] for a in rig.held] == ["batch", "rows"]
+    assert [unpack(a.frames[0])["kind"] for a in rig.held] == ["batch", "rows"]
     rig.intercept = None
     rig.release()
     got = [f for i, f in rig.to_clients if unpack(f[0])["kind"] == "rows_reply"]
@@ -171,7 +172,7 @@ def test_checkpointed_states_restore_rows_and_a_restarted_broker_relearns_the_ta
     b2.on_backend(b"s0", [wire.pack(wire.REGISTER, shard="s0", **fresh.register_fields())], 0.0)
     assert "emb" in b2.tables and b2.tables["emb"].cfg["opt"]["name"] == "adagrad"
     acts = b2.on_frontend(b"c", rows_push_msg(9, "emb", [1, 2], np.ones((2, 4))), 0.0)
-    assert not [a for a in acts if a[0] == "front"]          # accepted, not refused
+    assert not [a for a in acts if isinstance(a, ToClient)]  # accepted, not refused
     assert b2.pending_entries
 
 

@@ -1,0 +1,75 @@
+"""What the broker core asks its loop to do: typed, frozen actions.
+
+* :class:`ToClient` -- send ``frames`` to a client (frontend ROUTER); :class:`AckClient` is the
+  one coalesced ACK message for the pushes of one client acknowledged in one step;
+* :class:`ToShard` -- send ``frames`` to a shard (backend ROUTER); :class:`Adopt` is the ADOPT
+  that starts a catch-up (counted by ops commands);
+* :class:`Publish` -- publish ``frames`` on events (XPUB), ``frames[0]`` is the topic;
+* :class:`AppendLog` -- append one BATCH's parts to the update log, before it is sent;
+* :class:`SyncLog` -- fsync the update log;
+* :class:`ReadLog` -- read the update log and hand the REGISTER ``frames`` from ``identity``
+  back to the core with its contents (a returning shard may be rebuilt from it).
+
+:class:`Acked` is not an action: settlement returns it for one acknowledged push and the core
+folds all of them into :class:`AckClient` messages once per step.
+
+Tensor frames are the objects the loop received (``zmq.Frame``), passed by reference.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class ToClient:
+    identity: bytes
+    frames: list
+
+
+@dataclass(frozen=True, slots=True)
+class AckClient(ToClient):
+    msgs: tuple = ()          # the msg ids this ACK acknowledges
+
+
+@dataclass(frozen=True, slots=True)
+class ToShard:
+    identity: bytes
+    frames: list
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt(ToShard):
+    p: int = -1               # the partition the shard starts catching up on
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    frames: list
+
+
+@dataclass(frozen=True, slots=True)
+class AppendLog:
+    parts: list               # BATCH header parts
+    t_list: list              # their tensor descriptors
+    frames: list              # their tensor frames
+    time: float               # wall clock
+
+
+@dataclass(frozen=True, slots=True)
+class SyncLog:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ReadLog:
+    identity: bytes
+    frames: list
+
+
+@dataclass(frozen=True, slots=True)
+class Acked:
+    client: bytes
+    msg: int
+
+
+Action = ToClient | ToShard | Publish | AppendLog | SyncLog | ReadLog

@@ -1,0 +1,255 @@
+"""What shards say, and what it changes across the components: a registration (a new shard,
+a returning one, copies adopted or fenced), APPLIED (publishes, versions, settlement), a
+catch-up's state and its end, and a shard's death (failover, failed work)."""
+from __future__ import annotations
+
+import logging
+
+from gradbus.codecs import wire
+from gradbus.codecs.errors import Code
+
+from .actions import Publish, ToShard
+
+log = logging.getLogger("gradbus.broker")
+
+
+class ShardEvents:
+    def __init__(self, core):
+        c = core
+        self.P = c.P
+        self.settings, self.meters = c.settings, c.meters
+        self.members, self.table, self.catalog = c.members, c.table, c.catalog
+        self.sequencer, self.settlement, self.reads = c.sequencer, c.settlement, c.reads
+        self.rebalance, self.recovery = c.rebalance, c.recovery
+
+    def _table_msg(self) -> Publish:
+        return Publish(self.table.message())
+
+    # ------------------------------------------------------------------ registration
+    def register(self, identity: bytes, h: dict, now: float) -> list:
+        sid = h["shard"]
+        held = h.get("holds", [])
+        if (not sid or len(sid) > 128 or not isinstance(held, list)
+                or not all(isinstance(x, list) and len(x) == 3 and all(isinstance(v, int) for v in x)
+                           and 0 <= x[0] < self.P for x in held)):
+            self.meters.errors[Code.BAD_FIELD.value] += 1
+            return [ToShard(identity, [wire.error(Code.BAD_FIELD,
+                                                  "register: bad shard id or holds")])]
+        holds = {p: (epoch, seq) for p, epoch, seq in held}
+        rec, tb = self.recovery, self.table
+        if holds or h.get("rejoin") is True:
+            rec.restarted = True    # shards from an earlier life: this broker may miss tensors
+        elif rec.restarted is None:
+            rec.restarted = False   # the first shard is new and holds nothing: a fresh cluster
+        s = self.members.shards.get(sid)
+        actions = []
+        drop = []
+        if s is None:
+            s = self.members.new_shard(sid, identity, now)
+            log.info("shard %s registered", sid)
+            if self.settings.auto_rebalance and not holds and any(
+                    x.partitions for x in self.members.shards.values()):
+                self.rebalance.wanted = True     # a new, empty shard: give it a share
+        else:
+            if s.alive:
+                actions += self.shard_dead(s, now, "re-registered")
+            # A sole owner that comes back without its partitions lost them, unless the update
+            # log holds them from the start; one that comes back behind is brought up to date.
+            own_log: list = []        # this broker's log, read once for all its partitions
+            for p in list(s.partitions):
+                if tb.owners[p] == sid and p not in holds:
+                    if rec.replay_own_log(p, 0, own_log):
+                        tb.lost.discard(p)
+                    else:
+                        tb.lost.add(p)
+                elif tb.owners[p] != sid:
+                    tb.forget(s, p)
+                elif holds[p][1] < self.sequencer.seq[p] and rec.replay_own_log(
+                        p, holds[p][1], own_log):
+                    log.info("shard %s is behind on partition %d (seq %d < %d): replaying "
+                             "the update log", sid, p, holds[p][1], self.sequencer.seq[p])
+            self.members.revive(s, identity, now)
+            log.info("shard %s re-registered", sid)
+        held_bytes = self.catalog.learn_registration(h)
+        for p in sorted(holds):
+            if tb.owners[p] == sid:
+                continue            # its only copy: it comes back with its data
+            if not self._adopt(s, p, holds[p], held_bytes.get(p, 0)):
+                drop.append(p)      # failed over while it was away, or older: fenced
+        for other, p in rec.pending_drops:   # copies a newer registration replaced
+            sh = self.members.shards[other]
+            if sh.alive:
+                actions.append(ToShard(sh.identity, [wire.pack(wire.DROP, ps=[p])]))
+        rec.pending_drops.clear()
+        if drop:
+            self.meters.counters["fenced_partitions"] += len(drop)
+            log.warning("shard %s: dropping %d partitions it holds from an older epoch",
+                        sid, len(drop))
+        self.members.by_identity[identity] = sid
+        tb.bump()
+        actions.append(ToShard(identity, [wire.pack(wire.REGISTERED, shard=sid,
+                                                    partitions=self.P)]))
+        if rec.replay is not None:
+            rec.replay_orphans()
+        if drop:
+            actions.append(ToShard(identity, [wire.pack(wire.DROP, ps=drop)]))
+        actions.append(self._table_msg())
+        return actions
+
+    def _adopt(self, s, p: int, state: tuple, nbytes: int) -> bool:
+        """Whether a registering shard's copy of partition p (at ``state`` = (epoch, seq))
+        becomes a replica: taken as the primary when this broker never placed p, as an in-sync
+        standby when it equals the primary's registered copy and nothing was sent since, and
+        as the new primary when it is newer than that copy. Otherwise it is stale."""
+        epoch, seq = state
+        tb, sq, rec = self.table, self.sequencer, self.recovery
+        owner = tb.owners[p]
+        if owner is None:
+            tb.adopt_primary(s, p, epoch)
+            sq.seq[p] = max(sq.seq[p], seq)
+            if seq:
+                sq.published_seq[p] = seq
+            rec.adopted[p] = state
+            tb.set_bytes(p, nbytes)
+            self.meters.counters["partitions_adopted"] += 1
+            rec.schedule_replay(p, seq)
+            return True
+        known = rec.adopted.get(p)
+        if known is None or sq.seq[p] != known[1] or tb.holds(s.id, p):
+            return False       # batches went out since: a copy from before them is stale
+        if state == known and 1 + len(tb.standbys[p]) < tb.replicas:
+            tb.add_standby(s, p)
+            return True
+        if state > known:      # newer than the copy adopted first: it takes over
+            rec.adopted[p] = state
+            sq.seq[p] = seq
+            sq.published_seq[p] = seq
+            for sid in tb.take_over(s, p, epoch):
+                rec.pending_drops.append((sid, p))
+            return True
+        return False
+
+    # ------------------------------------------------------------------ applied
+    def applied(self, s, h: dict, frames: list, now: float) -> list:
+        actions = []
+        s.inflight = max(0, s.inflight - 1)
+        tb, sq, handover = self.table, self.sequencer, self.rebalance.handover
+        pos = 0
+        for part in h["parts"]:
+            p, seq, n = part["p"], part["seq"], part["n"]
+            pub = frames[pos:pos + 1 + n] if n >= 0 else None
+            pos += 1 + n if n >= 0 else 0
+            primary = s.id == tb.owners[p]
+            ho = handover.get(p)
+            if ho is not None and ho[0] == s.id and not primary and s.id not in tb.standbys[p]:
+                if seq <= ho[1] and pub is not None:     # sent to it as the primary
+                    actions.append(Publish([wire.topic_partition(p), *pub]))
+                    sq.published_seq[p] = max(seq, sq.published_seq.get(p, 0))
+                if seq >= ho[1]:
+                    del handover[p]
+                continue
+            if not primary and s.id not in tb.standbys[p]:
+                if s.id not in tb.syncing.get(p, ()):
+                    self.meters.errors[Code.FENCED.value] += 1   # not a replica of p (any more)
+                continue
+            if primary:
+                if pub is not None:
+                    actions.append(Publish([wire.topic_partition(p), *pub]))
+                    b = sq.inflight.get((p, seq))
+                    pending = self.settlement.pending
+                    for ref in (b.refs if b is not None and not b.primary_done else ()):
+                        pend = pending.get(ref)
+                        if pend is not None and pend.kind == "push":
+                            self.meters.h_visible.observe(now - pend.t0)
+                # Even unpublished (applied as a standby just before a failover), the seq is
+                # named in heartbeats, so subscribers see they missed it and re-snapshot.
+                if seq > sq.published_seq.get(p, 0):
+                    sq.published_seq[p] = seq
+                tr, vers = part.get("tr"), part.get("vers")
+                if tr is not None:
+                    grown = self.catalog.learn_rows(p, tr)
+                    if grown:
+                        tb.account(p, grown)
+                if vers:
+                    self.catalog.learn_versions(vers)
+            b = sq.inflight.get((p, seq))
+            if b is None:
+                continue
+            if b.errors is None:
+                b.errors = {e[0]: (e[1], e[2]) for e in part.get("errors", [])}
+            b.waiting.discard(s.id)
+            actions += self.settlement.progress(p, seq, b)
+        return actions
+
+    # ------------------------------------------------------------------ catch-ups
+    def forward_state(self, s, h: dict, frames: list) -> list:
+        """A primary's export of partition p for a standby catching up: pass it on."""
+        p, to = h["p"], h["to"]
+        target = self.members.shards.get(to)
+        if (not 0 <= p < self.P or s.id != self.table.owners[p] or target is None
+                or not target.alive or to not in self.table.syncing.get(p, ())):
+            self.meters.counters["states_discarded"] += 1
+            return []
+        self.meters.counters["state_bytes"] += sum(wire.frame_len(f) for f in frames[1:])
+        return [ToShard(target.identity, frames)]
+
+    def synced(self, s, h: dict, now: float) -> list:
+        p = h["p"]
+        since = self.table.synced(p, s.id)
+        if since is None:
+            return []
+        self.meters.counters["standbys_synced"] += 1
+        log.info("shard %s in sync for partition %d at seq %d (%.3fs)", s.id, p, h["seq"],
+                 now - since)
+        actions = []
+        mv = self.rebalance.moves.get(p)
+        if mv is not None and mv["to"] == s.id:
+            actions += self.rebalance.finish_move(p, mv, int(h["seq"]), now)
+        return [*actions, self._table_msg()]
+
+    # ------------------------------------------------------------------ death
+    def shard_dead(self, s, now: float, why: str) -> list:
+        log.warning("shard %s declared dead (%s)", s.id, why)
+        s.alive = False
+        self.meters.counters["shards_lost"] += 1
+        tb, rb = self.table, self.rebalance
+        actions = []
+        err = (Code.SHARD_UNAVAILABLE.value, f"shard {s.id} died before applying ({why})")
+        rb.end_handovers(lambda ho: ho[0] == s.id)
+        for p in range(self.P):
+            tb.cancel_catch_up(p, s.id)
+            if s.id in tb.standbys[p]:
+                tb.drop_standby(p, s)
+            if tb.owners[p] != s.id:
+                continue
+            new = tb.fail_over(p, s)
+            if new is None:
+                # No copy left: what was in flight or queued for p fails; the partition waits
+                # for this shard to come back (or is lost).
+                actions += self.settlement.fail(self.sequencer.fail_partition(p), err)
+                continue
+            # Failover: the in-sync standby has every batch the primary was sent, in order.
+            for sid in list(tb.syncing.get(p, ())):
+                # its state was to come from the dead primary: start again from the new one
+                tb.cancel_catch_up(p, sid)
+                sh = self.members.shards[sid]
+                if sh.alive:
+                    actions.append(ToShard(sh.identity, [wire.pack(wire.DROP, ps=[p])]))
+            self.meters.counters["failovers"] += 1
+            rb.failovers.append({"p": p, "from": s.id, "to": new, "epoch": tb.epochs[p],
+                                 "at": now, "silent_s": round(now - s.last_seen, 3)})
+        del rb.failovers[:-256]
+        rb.cancel_moves(s.id)
+        actions += self.settlement.applied_by(s.id)
+        actions += self.reads.shard_gone(s, err[1])
+        s.inflight = 0
+        tb.bump()
+        actions.append(self._table_msg())
+        return actions
+
+    def silent(self, now: float) -> list:
+        """Shards silent past liveness are declared dead."""
+        actions = []
+        for s in self.members.silent_shards(now):
+            actions += self.shard_dead(s, now, f"silent {now - s.last_seen:.2f}s")
+        return actions

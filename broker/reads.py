@@ -1,0 +1,150 @@
+"""Reads: SNAPSHOT and ROWS requests routed to the partitions' primaries (queued behind any
+init or push still queued for them, so a client reads its own writes), DIGEST and CHECKPOINT
+fanned out to the shards, and the replies passed back to the asker."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from gradbus.codecs import wire
+from gradbus.codecs.errors import Code, WireError
+from gradbus.codecs.partition import partition_of, row_key
+
+from .actions import ToClient, ToShard
+
+
+class Reads:
+    def __init__(self, partitions: int, settings, meters, members, table, catalog, sequencer,
+                 consistency):
+        self.P = partitions
+        self.settings = settings
+        self.meters = meters
+        self.members = members
+        self.table = table
+        self.catalog = catalog
+        self.sequencer = sequencer
+        self.consistency = consistency
+
+    def fanout(self, identity: bytes, h: dict) -> list:
+        """DIGEST or CHECKPOINT: ask every live shard holding the named partitions (all, by
+        default); the replies go straight to the asker (``of`` says how many)."""
+        kind, req, ps = h["kind"], h["req"], h.get("ps")
+        if ps is not None and (not isinstance(ps, list) or not all(
+                isinstance(p, int) and 0 <= p < self.P for p in ps)):
+            return [self.meters.err(identity, Code.BAD_FIELD, f"{kind}: ps must be a list of "
+                                                              "partition numbers", req=req)]
+        targets = [x for x in self.members.shards.values() if x.alive and (
+            ps is None or any(self.table.holds(x.id, p) for p in ps))]
+        if not targets:
+            empty = wire.pack(wire.DIGEST_REPLY, req=req, shard="", parts=[], of=1) \
+                if kind == wire.DIGEST else wire.pack(wire.CHECKPOINT_REPLY, req=req, shard="",
+                                                      of=1)
+            return [ToClient(identity, [empty])]
+        extra = {"ps": ps} if ps is not None else {}
+        msg = wire.pack(kind, req=req, client=identity, of=len(targets), **extra)
+        return [ToShard(x.identity, [msg]) for x in targets]
+
+    def snapshot(self, client, h: dict) -> list:
+        req = h["req"]
+        by_shard: dict[str, list] = defaultdict(list)
+        max_bytes = self.settings.max_batch_bytes
+        for key in h["keys"]:
+            if not isinstance(key, str):
+                raise WireError(Code.BAD_FIELD, "snapshot keys must be strings")
+            t, idx = self.catalog.block(key)
+            sid = self.table.live_owner(key, partition_of(key, self.P))
+            # one reply carries at most max_batch_bytes: a shard's heartbeats wait behind it
+            chunks = by_shard[sid]
+            size = t.layout.block_bytes(idx)
+            if not chunks or (chunks[-1][1] and chunks[-1][1] + size > max_bytes):
+                chunks.append([[], 0])
+            chunks[-1][0].append(key)
+            chunks[-1][1] += size
+        if not by_shard:
+            return [ToClient(client.identity, [wire.pack(wire.SNAPSHOT_REPLY, req=req, parts=[],
+                                                         of=1, missing=[])])]
+        of = sum(len(c) for c in by_shard.values())
+        for sid, chunks in by_shard.items():
+            for keys, _ in chunks:
+                self.members.shards[sid].queued_snapshots.append(
+                    (client.identity, req, keys, of, None))
+        return []
+
+    def rows(self, client, h: dict) -> list:
+        """A read of table rows: ``q`` = [[p, ids], ...]; forwarded to each partition's
+        primary. A read of a bsp table with ``min`` is parked until its step is applied."""
+        req, tbl = h["req"], self.catalog.table(h["table"])
+        if self.consistency.must_wait(tbl, h.get("min")):
+            self.consistency.park(client.identity, h)
+            return []
+        by_shard: dict[str, list] = defaultdict(list)
+        for q in h["q"]:
+            if (not isinstance(q, list) or len(q) != 2 or not isinstance(q[1], bytes)
+                    or len(q[1]) % 8):
+                raise WireError(Code.BAD_FIELD, "rows: q must be [[partition, int64 ids], ...]")
+        if h["q"]:
+            self.catalog.row_ids(tbl, [(p, wire.row_ids(ids)) for p, ids in h["q"]])
+        for q in h["q"]:
+            key = row_key(tbl.name, q[0])
+            by_shard[self.table.live_owner(key, q[0])].append(q)
+        if not by_shard:
+            return [ToClient(client.identity, [wire.pack(wire.ROWS_REPLY, req=req, of=1)])]
+        for sid, qs in by_shard.items():
+            self.members.shards[sid].queued_snapshots.append(
+                (client.identity, req, [row_key(tbl.name, p) for p, _ in qs], len(by_shard),
+                 {"table": tbl.name, "q": qs, "tv": tbl.version}))
+        return []
+
+    def wake(self) -> list:
+        """Parked reads whose bsp step is now applied go to the shards."""
+        return self.consistency.wake(self.catalog.tables, self.rows)
+
+    # ------------------------------------------------------------------ to the shards
+    def blocked(self, keys, replaying) -> bool:
+        """A snapshot must wait while an init/push for one of its partitions is still queued,
+        so that it sees them (a client's init is answered before the blocks exist)."""
+        queued = self.sequencer.pending_entries
+        if not queued and not replaying:
+            return False
+        return any((p := partition_of(k, self.P)) in queued or p in replaying for k in keys)
+
+    def has_flushable(self, replaying) -> bool:
+        return any(s.alive and any(not self.blocked(item[2], replaying)
+                                   for item in s.queued_snapshots)
+                   for s in self.members.shards.values())
+
+    def dispatch(self, replaying, actions: list) -> None:
+        """Send the queued reads that no queued entry blocks."""
+        for s in self.members.shards.values():
+            if not s.queued_snapshots or not s.alive:
+                continue
+            keep = []
+            for item in s.queued_snapshots:
+                client, req, keys, of, rows = item
+                if self.blocked(keys, replaying):
+                    keep.append(item)   # an init/push for these partitions is still queued
+                    continue
+                s.snapshots.append((client, req))
+                msg = (wire.pack(wire.SNAPSHOT, req=req, client=client, of=of, keys=keys)
+                       if rows is None else wire.pack(wire.ROWS, req=req, client=client, of=of,
+                                                      **rows))
+                actions.append(ToShard(s.identity, [msg]))
+            s.queued_snapshots = keep
+
+    def replied(self, s, h: dict, frames: list) -> list:
+        """A shard's SNAPSHOT/ROWS/DIGEST/CHECKPOINT reply, passed to the asker."""
+        client = h.get("client")
+        if not isinstance(client, bytes):
+            return []
+        if h["kind"] in (wire.SNAPSHOT_REPLY, wire.ROWS_REPLY):
+            try:
+                s.snapshots.remove((client, h["req"]))
+            except ValueError:
+                pass
+        return [ToClient(client, frames)]
+
+    def shard_gone(self, s, message: str) -> list:
+        """The reads outstanding or queued on a shard that died fail."""
+        out = [self.meters.err(client, Code.SHARD_UNAVAILABLE, message, req=req)
+               for client, req in s.snapshots + [(c, r) for c, r, *_ in s.queued_snapshots]]
+        s.snapshots, s.queued_snapshots = [], []
+        return out

@@ -1,0 +1,172 @@
+"""Sequencing, batching and credit: the entries queued per partition, the next seq of each
+partition, the batches in flight to their replicas, and the credit each shard has left.
+
+A flush turns queued entries into one BATCH per replica group whose every in-sync replica has
+credit: the same header and tensor frames to each replica (and to the update log first).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from gradbus.codecs import wire
+
+from .actions import ToShard
+
+ALL = wire.ACKS_ALL
+
+
+@dataclass(slots=True)
+class Batch:
+    """One partition's sequenced batch on its way to the replicas."""
+    refs: list                     # the Pending ref of each entry, in order
+    waiting: set                   # in-sync replicas (at send time) that have not applied it
+    errors: dict | None = None     # entry index -> (code, message), from the first APPLIED
+    primary_done: bool = False
+
+
+class Sequencer:
+    def __init__(self, partitions: int, settings, meters, table, members):
+        self.P = partitions
+        self.settings = settings
+        self.meters = meters
+        self.table = table
+        self.members = members
+        self.log_policy = None            # set by recovery when there is an update log
+        self.seq = [0] * partitions
+        self.published_seq: dict[int, int] = {}   # p -> last seq whose UPDATE went out on events
+        self.pending_entries: dict[int, list] = defaultdict(list)   # p -> [(entry, desc, frame, ref)]
+        self.pending_bytes = 0
+        self.inflight: dict[tuple[int, int], Batch] = {}             # (p, seq) -> batch
+        self.pcount = [0] * partitions      # gradients batched into p since the last rate fold
+
+    def accepting(self) -> bool:
+        return self.pending_bytes < self.settings.max_pending_bytes
+
+    # ------------------------------------------------------------------ queueing
+    def enqueue(self, p: int, entry: dict, raw_desc, frame, ref) -> None:
+        self.pending_entries[p].append((entry, raw_desc, frame, ref))
+        if frame is not None:
+            self.pending_bytes += wire.frame_len(frame)
+
+    def enqueue_push(self, ref: tuple, h: dict, routed: list, weights: dict, wall) -> None:
+        """A push's entries, one per tensor, queued for their partitions."""
+        client, msg = ref
+        ts = None
+        for (p, d, fr, name), raw in zip(routed, h["t"]):
+            entry = {"op": "push", "c": client, "m": msg}
+            if d.ids is not None:     # rows: the time that row expiry counts from, the same
+                if ts is None:        # on every replica
+                    ts = round(wall(), 3)
+                entry["ts"] = ts
+            w = weights.get(name)
+            if w is not None:
+                entry["w"] = w
+            self.enqueue(p, entry, raw, fr, ref)
+
+    def fail_partition(self, p: int) -> list:
+        """Forget what is in flight or queued for p; returns their refs, in order."""
+        refs = []
+        for key in [k for k in self.inflight if k[0] == p]:
+            refs += self.inflight.pop(key).refs
+        for entry, raw, fr, ref in self.pending_entries.pop(p, []):
+            if fr is not None:
+                self.pending_bytes -= wire.frame_len(fr)
+            refs.append(ref)
+        return refs
+
+    # ------------------------------------------------------------------ credit
+    def can_send(self, group: tuple) -> bool:
+        """Every in-sync replica is alive and has credit (the slowest one paces the partition;
+        a standby catching up only buffers and does not)."""
+        primary, standbys, _ = group
+        credit = self.settings.shard_credit
+        shards = self.members.shards
+        for sid in (primary, *standbys):
+            sh = shards.get(sid)
+            if sh is None or not sh.alive or sh.inflight >= credit:
+                return False
+        return True
+
+    def send_group(self, group: tuple, msg: list, actions: list) -> None:
+        """One BATCH to every live receiver of a replica group; each uses a credit."""
+        shards = self.members.shards
+        for sid in (group[0], *group[1], *group[2]):
+            sh = shards.get(sid)
+            if sh is not None and sh.alive:
+                sh.inflight += 1
+                actions.append(ToShard(sh.identity, msg))
+
+    def has_flushable(self, replaying) -> bool:
+        group = self.table.group
+        return any(p not in replaying and self.can_send(group(p)) for p in self.pending_entries)
+
+    # ------------------------------------------------------------------ batching
+    def flush(self, now: float, replaying, wall, actions: list) -> None:
+        """Turn pending entries into sequenced batches (partitions replaying wait: logged
+        batches go first)."""
+        if not self.pending_entries:
+            return
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for p in self.pending_entries:
+            if p not in replaying:
+                groups[self.table.group(p)].append(p)
+        max_bytes = self.settings.max_batch_bytes
+        epochs = self.table.epochs
+        for group, parts in groups.items():
+            if not self.can_send(group):
+                continue
+            primary, standbys, _ = group
+            header_parts, t_list, frames, nbytes = [], [], [], 0
+            for p in parts:
+                if nbytes >= max_bytes:
+                    break
+                entries = self.pending_entries[p]
+                take = 0
+                for entry, raw, fr, ref in entries:
+                    size = wire.frame_len(fr) if fr is not None else 0
+                    if take and nbytes + size > max_bytes:
+                        break
+                    nbytes += size
+                    take += 1
+                batch, rest = entries[:take], entries[take:]
+                if rest:
+                    self.pending_entries[p] = rest
+                else:
+                    del self.pending_entries[p]
+                self.seq[p] += 1
+                ents, refs = [], []
+                for entry, raw, fr, ref in batch:
+                    if fr is not None:
+                        entry["i"] = len(frames)   # the entry dict is this batch's alone
+                        t_list.append(raw)
+                        frames.append(fr)
+                        self.pending_bytes -= wire.frame_len(fr)
+                    ents.append(entry)
+                    refs.append(ref)
+                header_parts.append({"p": p, "seq": self.seq[p], "epoch": epochs[p],
+                                     "o": primary, "e": ents})
+                self.pcount[p] += len(ents)
+                self.meters.h_batch.observe(len(ents))
+                self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys})
+            hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
+            if self.log_policy is not None:
+                self.log_policy.append(actions, header_parts, t_list, frames, wall(), now)
+            self.meters.counters["batches"] += 1
+            self.meters.counters["batched_entries"] += sum(len(x["e"]) for x in header_parts)
+            self.send_group(group, [hdr, *frames], actions)
+
+    def validate_state(self) -> list[str]:
+        problems = []
+        if self.pending_bytes < 0:
+            problems.append(f"pending_bytes {self.pending_bytes} < 0")
+        queued = sum(wire.frame_len(fr) for es in self.pending_entries.values()
+                     for _, _, fr, _ in es if fr is not None)
+        if queued != self.pending_bytes:
+            problems.append(f"pending_bytes {self.pending_bytes}, queued frames hold {queued}")
+        for (p, seq), b in self.inflight.items():
+            if not b.waiting:
+                problems.append(f"in-flight batch {p}/{seq} waits for nobody")
+            if seq > self.seq[p]:
+                problems.append(f"in-flight batch {p}/{seq} beyond the last seq {self.seq[p]}")
+        return problems

@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
-import subprocess
-import sys
 import threading
 
 import numpy as np
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs import wire
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .child import in_child
+
 CHILD_TIMEOUT = 600          # seconds: the hang detector (a healthy run takes a fraction)
 FRACTION = "0.25"
 #: every chain the grammar of gradbus.codecs.tensor allows, each stage with one setting
@@ -33,17 +31,7 @@ N = 1 << 18                  # values per tensor: 1 MiB of float32, one block
 
 
 def _in_child(workload: str, *args) -> str:
-    """Run ``workload(*args)`` of this module in a fresh interpreter; its stdout."""
-    code = f"from tests.test_threads import {workload}; {workload}(*{args!r})"
-    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
-    try:
-        proc = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=CHILD_TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(f"{workload} hung for {CHILD_TIMEOUT}s:\n{e.stderr or ''}") from None
-    assert proc.returncode == 0, (f"{workload} exited {proc.returncode}:\n"
-                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    return proc.stdout
+    return in_child("tests.test_threads", workload, *args, timeout=CHILD_TIMEOUT)
 
 
 def _gradient(chain: str) -> np.ndarray:

@@ -13,7 +13,8 @@ descriptor's ``n`` says, each checked against its xxh3 checksum on load.
 
 A checkpoint is written into ``ckpt-...tmp``, every file fsynced, then the directory renamed
 to its final name and the parent fsynced: a crash leaves either the whole checkpoint or a
-``.tmp`` directory that readers ignore (and the next write removes).
+``.tmp`` directory that readers ignore (and the next write removes); a write that fails
+removes its own ``.tmp``.
 """
 from __future__ import annotations
 
@@ -60,15 +61,39 @@ def _write_file(path: str, chunks) -> None:
 def write(root: str, shard_id: str, states: list[list], keep: int = 3,
           now: float | None = None) -> Checkpoint:
     """Write one checkpoint of ``states`` (STATE messages: header frame, tensor frames) and
-    keep the newest ``keep`` checkpoints of this shard."""
+    keep the newest ``keep`` checkpoints of this shard. A write that fails (a full disk, say)
+    removes what it wrote before raising, and every write first removes the ``.tmp``
+    leftovers of earlier ones that were interrupted: failures never pile up on disk."""
     if keep < 1:
         raise ValueError("keep must be >= 1")
     now = time.time() if now is None else now
     base = os.path.join(root, shard_id)
     os.makedirs(base, exist_ok=True)
+    _sweep(base)
     name = f"{PREFIX}{int(now * 1e9):020d}"
     tmp = os.path.join(base, name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        parts = _write_tmp(tmp, shard_id, states, now)
+        final = os.path.join(base, name)
+        os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(base)
+    for old in list_for(root, shard_id)[:-keep]:
+        shutil.rmtree(old.path, ignore_errors=True)
+    return Checkpoint(final, shard_id, now, tuple(sorted(parts)))
+
+
+def _sweep(base: str) -> None:
+    """Remove the ``.tmp`` directories of interrupted writes under ``base``."""
+    for entry in os.listdir(base):
+        if entry.startswith(PREFIX) and entry.endswith(".tmp"):
+            shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
+
+
+def _write_tmp(tmp: str, shard_id: str, states: list[list], now: float) -> list:
+    """Every file of a checkpoint into the new directory ``tmp``, fsynced; its partitions."""
     os.makedirs(tmp)
     parts = []
     for msg in states:
@@ -81,15 +106,7 @@ def write(root: str, shard_id: str, states: list[list], keep: int = 3,
     _write_file(os.path.join(tmp, MANIFEST), [msgpack.packb(
         {"shard": shard_id, "time": now, "partitions": sorted(parts)})])
     _fsync_dir(tmp)
-    final = os.path.join(base, name)
-    os.rename(tmp, final)
-    _fsync_dir(base)
-    for old in list_for(root, shard_id)[:-keep]:
-        shutil.rmtree(old.path, ignore_errors=True)
-    for entry in os.listdir(base):   # leftovers of interrupted writes
-        if entry.endswith(".tmp") and entry != name + ".tmp":
-            shutil.rmtree(os.path.join(base, entry), ignore_errors=True)
-    return Checkpoint(final, shard_id, now, tuple(sorted(parts)))
+    return parts
 
 
 def _read_manifest(path: str) -> Checkpoint | None:

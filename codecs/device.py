@@ -12,6 +12,7 @@ sums), and int8 the same scales with its stochastic rounding drawn on the device
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -20,6 +21,7 @@ from .errors import Code, WireError
 
 DEVICE_CODERS = ("raw", "fp16", "bf16", "int8", "sign")
 device_fallbacks = 0     # gradients copied to the host whole because their chain is not done here
+_fallbacks_lock = threading.Lock()   # ``+=`` on a global is not atomic between threads
 
 
 def array_module(a):
@@ -118,7 +120,8 @@ def encode(arr, chain: str = "raw", rng: np.random.Generator | None = None,
     st = tcodec.parse_stages(chain)
     if xp is np or st.coder not in DEVICE_CODERS:
         if xp is not np:
-            device_fallbacks += 1
+            with _fallbacks_lock:
+                device_fallbacks += 1
         out = tcodec.encode(to_host(arr), chain, rng=rng, want_decoded=want_decoded)
         if want_decoded and xp is not np:
             return out[0], out[1], xp.asarray(out[2])

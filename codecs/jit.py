@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 
 import numpy as np
 
@@ -117,7 +118,24 @@ def build(make) -> dict | None:
         return None
 
 
-@functools.cache
+def once(fn):
+    """``functools.cache`` for a function of no arguments that is also computed only once when
+    several threads make the first call together (numba compiles while the others wait);
+    ``__wrapped__`` is ``fn``, uncached."""
+    done: list = []
+    lock = threading.Lock()
+
+    @functools.wraps(fn)
+    def get():
+        if not done:
+            with lock:
+                if not done:
+                    done.append(fn())
+        return done[0]
+    return get
+
+
+@once
 def loops() -> dict | None:
     """The codecs' loops (see :func:`build` for when there are none): encoders
     ``bf16(bits, out)`` and ``fp16(values, bits, out)`` (float32 values, their uint32 bits, the

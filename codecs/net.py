@@ -53,11 +53,37 @@ def url(host: str, port: int) -> str:
     return f"tcp://{host}:{port}"
 
 
+def send_before(sock: zmq.Socket, msg, deadline: float,
+                watch: security.HandshakeWatch | None = None) -> bool:
+    """Send ``msg`` (one frame) on a fresh connection once it can take it, before ``deadline``
+    (``time.monotonic()``); False if it could not by then. A plain ``send`` may block for
+    ever: a connection whose handshake libzmq failed (a key the broker refused, a peer that
+    does not speak ZMTP) has no pipe left to queue into. ``watch``: its handshake failures are
+    raised (:class:`~gradbus.codecs.errors.SecurityError`) as soon as they show."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLOUT)
+    if watch is not None:
+        poller.register(watch.mon, zmq.POLLIN)
+    while True:
+        try:
+            sock.send(msg, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        ready = dict(poller.poll(max(1, int(left * 1000))))
+        if watch is not None and watch.mon in ready:
+            watch.check()
+
+
 def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
           configure=None, curve: security.Curve | None = None) -> dict:
     """Ask the broker for its ports. Retries with back-off until ``timeout`` seconds pass.
     ``curve``: this process's CURVE keys (None: CURVE off); a handshake the broker refuses
-    raises :class:`~gradbus.codecs.errors.SecurityError` at once."""
+    raises :class:`~gradbus.codecs.errors.SecurityError` at once. Nothing here waits past
+    ``timeout``: not the HELLO's send either (see :func:`send_before`)."""
     split_url(broker_url)
     deadline = time.monotonic() + timeout
     wait = timing.RECONNECT_MIN
@@ -72,9 +98,10 @@ def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
         watch = security.HandshakeWatch(s, curve, broker_url, failures)
         try:
             s.connect(broker_url)
-            s.send(wire.pack(wire.HELLO, role=role))
-            left = deadline - time.monotonic()
-            if watch.poll(int(max(0.0, min(wait, left)) * 1000)):
+            attempt_end = time.monotonic() + max(0.0, min(wait, deadline - time.monotonic()))
+            sent = send_before(s, wire.pack(wire.HELLO, role=role), attempt_end, watch)
+            left = attempt_end - time.monotonic()
+            if sent and watch.poll(int(max(0.0, left) * 1000)):
                 h = wire.unpack_header(s.recv(), frozenset({wire.WELCOME, wire.ERROR}))
                 if h["kind"] == wire.ERROR:
                     raise GradbusError(h["message"], h["code"])

@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import threading
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -68,9 +69,21 @@ _SPARSE_HEAD = 16     # uint64 count, uint64 index-section bytes
 _CHUNK = 1 << 16      # elements per cache-sized chunk in the fp16/bf16/int8 loops
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _TOPK_SAMPLE = 1 << 16  # sample size for topk's candidate threshold
-_cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-_dctx = zstandard.ZstdDecompressor()
-_rng = np.random.default_rng()
+
+
+class _PerThread(threading.local):
+    """What each thread needs its own of: a zstd context may not be used by two threads at
+    once (libzstd's contexts carry the state of the frame in progress), and a shared default
+    generator would serialise every thread's draws on its lock. Made once per thread, on the
+    thread's first use."""
+
+    def __init__(self):
+        self.cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
+        self.dctx = zstandard.ZstdDecompressor()
+        self.rng = np.random.default_rng()
+
+
+_local = _PerThread()
 
 
 # ------------------------------------------------------------------ chain grammar
@@ -240,8 +253,10 @@ def _fp16_encode_numpy(a: np.ndarray) -> np.ndarray:
 
 @functools.cache
 def _half_table(dt: np.dtype) -> np.ndarray:
-    """Every half bit pattern's value as ``dt``."""
-    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(dt)
+    """Every half bit pattern's value as ``dt`` (read-only: one table shared by every thread)."""
+    table = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(dt)
+    table.flags.writeable = False
+    return table
 
 
 def _fp16_decode(bits: np.ndarray, dt: np.dtype, out: np.ndarray | None = None) -> np.ndarray:
@@ -545,7 +560,8 @@ def encode(arr: np.ndarray, chain: str = "raw", rng: np.random.Generator | None 
     array a sender keeps for error feedback), built from the staged arrays without a second decode;
     for ``raw`` it may share memory with ``arr``. ``buffer`` supports the buffer protocol; for
     ``raw`` it is a flat view of the array (made C-contiguous), which the caller may send with
-    ``copy=False``. ``rng`` drives randomk and int8 rounding (default: a module-level generator).
+    ``copy=False``. ``rng`` drives randomk and int8 rounding (default: the calling thread's own
+    generator).
     """
     st = parse_stages(chain)
     shape = np.shape(arr)
@@ -560,7 +576,7 @@ def encode(arr: np.ndarray, chain: str = "raw", rng: np.random.Generator | None 
         raise WireError(Code.BAD_CODEC, f"{st.text(False, False)} applies to floating tensors, "
                                         f"not {a.dtype}")
     if rng is None:
-        rng = _rng
+        rng = _local.rng
     flat = a.reshape(-1)
     prefix = []
     if st.sparse:
@@ -593,7 +609,7 @@ def assemble(st: Stages, prefix: list, arrays: list):
     applied, buf = st.text(st.shuffle, False), _join(staged)
     size = memoryview(buf).nbytes
     if st.zstd and size:
-        packed = _cctx.compress(buf)
+        packed = _local.cctx.compress(buf)
         if len(packed) * ZSTD_MIN_GAIN <= size:
             applied, buf = st.text(st.shuffle, True), packed
         elif st.shuffle:                # shuffling only pays with zstd
@@ -629,7 +645,7 @@ def _decompress(data: np.ndarray, limit: int, exact: bool, shape) -> np.ndarray:
         raise WireError(Code.BAD_SHAPE,
                         f"zstd content size {size} does not fit shape {list(shape)}")
     try:
-        return np.frombuffer(_dctx.decompress(data, max_output_size=size), np.uint8)
+        return np.frombuffer(_local.dctx.decompress(data, max_output_size=size), np.uint8)
     except zstandard.ZstdError as e:
         raise WireError(Code.BAD_CODEC, f"corrupt zstd frame: {e}") from None
 

@@ -6,6 +6,7 @@ CURVE on, else None. A refused key raises :class:`~gradbus.codecs.errors.Securit
 from __future__ import annotations
 
 import itertools
+import time
 
 import zmq
 
@@ -32,10 +33,14 @@ def request_all(url: str, kind: str, timeout: float = 5.0, *,
     if curve is not None:
         security.client_setup(s, curve)
     watch = security.HandshakeWatch(s, curve, url)
+    deadline = time.monotonic() + timeout
     try:
         s.connect(url)
         req = next(_ids)
-        s.send(wire.pack(kind, req=req, **fields))
+        if not net.send_before(s, wire.pack(kind, req=req, **fields), deadline, watch):
+            raise GradbusError(f"could not send to the broker at {url} within {timeout:.1f}s: "
+                               f"no connection took the request (is the broker up there, "
+                               f"and does it accept this process's keys?)")
         replies: list[dict] = []
         while True:
             if not watch.poll(int(timeout * 1000)):

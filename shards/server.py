@@ -235,12 +235,15 @@ class ShardServer:
     def close(self) -> None:
         if self._ckpt_thread is not None:
             self._ckpt_thread.join()    # a checkpoint being written is finished, not torn
+        final_failed = False
         if self.data_dir and self.stopping.is_set():
             try:    # a clean stop leaves a checkpoint of the final state
                 self.last_checkpoint = checkpoint.write(self.data_dir, self.shard_id,
                                                         self.core.states(), self.checkpoint_keep)
             except OSError as e:
-                log.error("%s: final checkpoint failed: %s", self.shard_id, e)
+                final_failed = True
+                log.error("%s: final checkpoint failed, the state since the last checkpoint "
+                          "is not on disk: %s", self.shard_id, e)
         if self.sock is not None:
             try:
                 self.sock.send(wire.pack(wire.BYE), zmq.NOBLOCK)
@@ -249,6 +252,8 @@ class ShardServer:
             self.sock.close(linger=0)
         if self._own_ctx:
             self.ctx.term()
+        if final_failed:    # not a clean stop: the process exits non-zero
+            raise SystemExit(1)
 
 
 def _peek(frame) -> dict:

@@ -1,0 +1,214 @@
+"""A connection whose handshake fails never blocks past the caller's timeout.
+
+When libzmq fails a connection's handshake (a CURVE key the broker refuses, a peer that does
+not speak ZMTP), it drops the DEALER's pipe: a plain ``send`` on the socket then blocks for
+ever. Right after ``connect`` that is a race (the handshake must fail before the first send),
+so these tests also force the order: a patched ``connect`` returns only once the connection's
+pipe is gone. A listener that accepts and stays silent does not drop the pipe (the request is
+queued and the reply wait times out), so it is no way to reproduce the hang.
+
+Each scenario runs in a child interpreter under a subprocess timeout: the hang detector.
+"""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from gradbus.codecs import security
+
+from .child import in_child
+
+TIMEOUT = 2.0                # the timeout every call below is given
+HANG = 120                   # a child still running after this many seconds hangs
+REPEATS = 200                # calls per scenario that race the handshake naturally
+
+
+def _in_child(workload: str, *args) -> str:
+    return in_child("tests.test_curve_timeouts", workload, *args, timeout=HANG)
+
+
+def drop_pipe_after_connect() -> list:
+    """Make every DEALER's ``connect`` return only once libzmq dropped the connection's pipe
+    (its handshake failed) or after 10 s: the order in which a send right after connect used
+    to block for ever. Returns a list that gets one entry per connect whose pipe was gone."""
+    import zmq
+    plain = zmq.Socket.connect
+    dropped: list = []
+
+    def connect(self, addr):
+        out = plain(self, addr)
+        if self.socket_type == zmq.DEALER:
+            deadline = time.monotonic() + 10
+            while self.poll(0, zmq.POLLOUT) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if not self.poll(0, zmq.POLLOUT):
+                dropped.append(addr)
+        return out
+    zmq.Socket.connect = connect
+    return dropped
+
+
+def _expect_error(call, errors, *match: str) -> None:
+    """``call()`` raises one of ``errors`` whose text holds one of ``match``."""
+    try:
+        call()
+    except errors as e:
+        assert any(m in str(e) for m in match), f"unexpected error: {e}"
+        return
+    raise AssertionError("the call returned instead of raising")
+
+
+def refused_workload(url: str, secret: str, server_key: str, forced: bool) -> None:
+    """Against a broker that refuses this key: ``net.hello`` (as the SDK and a shard use it)
+    and the ops requests behind ``gradbus status`` raise SecurityError; the CLI exits 1 saying
+    so. ``forced``: with the pipe dropped before the first send, a few times; else REPEATS
+    times as it comes."""
+    import zmq
+    from click.testing import CliRunner
+    from gradbus.codecs import net
+
+    from gradbus import admin
+    from gradbus.cli import main
+    dropped = drop_pipe_after_connect() if forced else None
+    curve = security.Curve.from_files(secret, server_key)
+    ctx = zmq.Context.instance()
+    refused = "refused this process's CURVE key"
+    for i in range(3 if forced else REPEATS):
+        _expect_error(lambda: admin.status(url, TIMEOUT, curve=curve), security.SecurityError,
+                      refused)
+        _expect_error(lambda i=i: net.hello(ctx, url, ("client", "shard")[i % 2], TIMEOUT,
+                                        curve=curve), security.SecurityError, refused)
+    for _ in range(2 if forced else 5):
+        r = CliRunner().invoke(main, ["status", "--broker", url, "--timeout", str(TIMEOUT),
+                                      "--curve-secret", secret, "--curve-server-key",
+                                      server_key])
+        assert r.exit_code == 1 and refused in r.output, r.output
+    assert dropped is None or len(dropped) == 8, dropped    # every call met a dropped pipe
+    print("OK")
+
+
+def garbage_workload(url: str) -> None:
+    """Against a listener that answers garbage (libzmq drops the pipe on the protocol error),
+    with the pipe dropped before the first send: hello and a status request raise the
+    project's timeout errors (or, where libzmq read the garbage as another security
+    mechanism, SecurityError)."""
+    import zmq
+    from gradbus.codecs import net
+    from gradbus.codecs.errors import GradbusError
+
+    from gradbus import admin
+    dropped = drop_pipe_after_connect()
+    ctx = zmq.Context.instance()
+    _expect_error(lambda: admin.status(url, TIMEOUT), GradbusError, "could not send",
+                  "requires CURVE")
+    _expect_error(lambda: net.hello(ctx, url, "client", TIMEOUT), GradbusError,
+                  "no broker answered", "requires CURVE")
+    assert len(dropped) >= 2, dropped
+    print("OK")
+
+
+def silent_workload(url: str) -> None:
+    """Against a listener that accepts and says nothing: the pipe stays, the request is
+    queued, and the wait for the reply times out."""
+    import zmq
+    from gradbus.codecs import net
+    from gradbus.codecs.errors import GradbusError
+
+    from gradbus import admin
+    ctx = zmq.Context.instance()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(url)
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while time.monotonic() < deadline:
+            assert s.poll(50, zmq.POLLOUT), "the silent listener's connection lost its pipe"
+    finally:
+        s.close(linger=0)
+    _expect_error(lambda: admin.status(url, TIMEOUT), GradbusError, "no reply")
+    _expect_error(lambda: net.hello(ctx, url, "client", TIMEOUT), GradbusError,
+                  "no broker answered")
+    print("OK")
+
+
+@pytest.fixture
+def refusing_broker(tmp_path):
+    """A CURVE broker process whose allow directory is empty, and an outsider's key pair."""
+    keys = tmp_path / "keys"
+    security.generate(keys, "broker")
+    _, outsider = security.generate(keys, "outsider")
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "gradbus", "broker", "--port", "0",
+                             "--curve-secret", str(keys / "broker.key_secret"),
+                             "--curve-allow", str(allow)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("listening: "), line
+        yield line.split(" ", 1)[1], outsider, str(keys / "broker.key")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+class _Listener:
+    """A TCP listener on 127.0.0.1 that accepts every connection and either writes
+    ``answer`` to it or says nothing; closes them all at exit."""
+
+    def __init__(self, answer: bytes | None):
+        self.answer = answer
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, name="test-listener", daemon=True)
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            if self.answer:
+                try:
+                    conn.sendall(self.answer)
+                except OSError:
+                    pass
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(10)
+        for c in self.conns:
+            c.close()
+
+
+def test_refused_key_fails_fast_when_the_handshake_fails_before_the_first_send(refusing_broker):
+    assert "OK" in _in_child("refused_workload", *refusing_broker, True)
+
+
+def test_refused_key_never_hangs_over_many_tries(refusing_broker):
+    assert "OK" in _in_child("refused_workload", *refusing_broker, False)
+
+
+def test_a_peer_that_breaks_the_protocol_times_out_instead_of_hanging():
+    with _Listener(b"\xff" * 64) as lst:
+        assert "OK" in _in_child("garbage_workload", lst.url)
+
+
+def test_a_silent_peer_keeps_the_pipe_and_times_out():
+    with _Listener(None) as lst:
+        assert "OK" in _in_child("silent_workload", lst.url)

@@ -340,7 +340,8 @@ class BrokerCore:
         if kind == wire.HELLO:   # discovery only: registers nobody
             return [(FRONT, identity, [wire.pack(wire.WELCOME, events=self.ports["events"],
                                                  backend=self.ports["backend"],
-                                                 partitions=self.P, down=self._down())])]
+                                                 partitions=self.P, down=self._down(),
+                                                 hb=self.hb_interval)])]
         if kind == wire.STATUS:   # ops tools are not workers
             st = self.status(now)
             if h.get("table"):

@@ -274,8 +274,19 @@ def test_shard_redelivered_batch_is_not_reapplied_and_bad_entry_isolated():
 
 
 # ---------------------------------------------------------------- client cache
+def _checked(cache: WeightCache) -> WeightCache:
+    """``cache``, with its invariants checked after every event it is fed."""
+    for name in ("track", "on_snapshot", "on_update", "on_heartbeat"):
+        def call(*args, _method=getattr(cache, name), **kw):
+            out = _method(*args, **kw)
+            cache.validate_state()
+            return out
+        setattr(cache, name, call)
+    return cache
+
+
 def _cache_with(name="w", n=6, block=2, P=4):
-    cache = WeightCache(P)
+    cache = _checked(WeightCache(P))
     layout = TensorLayout(name, "float32", (n,), block)
     parts, keys = cache.track(layout)
     return cache, layout, parts, keys
@@ -364,7 +375,7 @@ def test_delta_weights_reconstruct_what_the_shard_published(chain):
     out = sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
                                    "rule": {"name": "given"}, "opt": {"name": "sgd", "lr": 0.01},
                                    "i": 0}], [d], [bytes(buf)]))
-    cache = WeightCache(1)
+    cache = _checked(WeightCache(1))
     cache.track(layout)
 
     def feed(msg):

@@ -7,8 +7,9 @@ loop (:mod:`.agent`) carries out. Futures are resolved and the weight cache is f
 the condition the client's readers wait on. Time is read only from the injected ``clock``.
 
 Broker silence is judged with the broker's own heartbeat interval, as WELCOME names it (``hb``;
-the default interval for a broker that does not say): silent after ``hb * LIVENESS`` seconds
-without a heartbeat or reply.
+the default interval for a broker that does not say): silent after ``LIVENESS`` intervals
+without a heartbeat or reply, and never sooner than with the default interval (a broker
+beating faster than the default is not held to a tighter window than before).
 """
 from __future__ import annotations
 
@@ -62,10 +63,9 @@ class AgentState:
         self.resend = resend
         self.clock = clock
         self.hb_interval = broker_interval(welcome)
-        self.silence_after = self.hb_interval * timing.LIVENESS
-        # the client's own heartbeats: often enough for the broker's interval and the default
-        self.hb_every = min(self.hb_interval, timing.HEARTBEAT_INTERVAL)
-        self.poll_ms = max(1, int(self.hb_every * 1000 / 2))
+        self.silence_after = max(self.hb_interval, timing.HEARTBEAT_INTERVAL) * timing.LIVENESS
+        self.hb_every = timing.HEARTBEAT_INTERVAL   # the client's own heartbeats
+        self.poll_ms = int(self.hb_every * 1000 / 2)
         now = clock()
         self.last_heard = self.last_hb = now
         self.broker_silent = False

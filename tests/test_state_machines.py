@@ -314,6 +314,16 @@ def test_cache_snapshot_then_updates_in_order_and_gap_resync():
     assert t.shape == (6,) and not t.flags.writeable
 
 
+def test_cache_validate_state_names_a_broken_invariant():
+    cache, layout, parts, keys = _cache_with()
+    p = partition_of(keys[0], 4)
+    cache.on_snapshot({pp: 1 for pp in parts}, [(k, np.zeros(2, np.float32), 1, None)
+                                                 for k in keys])
+    cache.parts[p].buffered.append((2, []))            # buffered while in sync
+    with pytest.raises(AssertionError, match="buffered while in sync"):
+        cache.validate_state()
+
+
 def test_cache_version_is_min_over_blocks():
     cache, layout, parts, keys = _cache_with()
     snap = {partition_of(k, 4): 1 for k in keys}

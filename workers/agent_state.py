@@ -126,8 +126,9 @@ class AgentState:
         for f in futs:
             if f is not None and not f.done():
                 f.set_exception(err)
-        self.msg_futures.clear()
-        self.req_futures.clear()
+        for waiting in (self.msg_futures, self.req_futures, self.snap_parts, self.row_parts,
+                        self.internal):
+            waiting.clear()
         with self.cond:
             self.cond.notify_all()
 

@@ -152,7 +152,8 @@ class BrokerCore:
         if kind == wire.HELLO:   # discovery only: registers nobody
             return [ToClient(identity, [wire.pack(wire.WELCOME, events=self.ports["events"],
                                                   backend=self.ports["backend"],
-                                                  partitions=self.P, down=self.table.down())])]
+                                                  partitions=self.P, down=self.table.down(),
+                                                  hb=self.settings.heartbeat_interval)])]
         if kind == wire.STATUS:   # ops tools are not workers
             st = self.status(now)
             if h.get("table"):

@@ -337,8 +337,19 @@ def test_shard_validate_state_names_the_broken_invariant():
 
 
 # ---------------------------------------------------------------- client cache
+def _checked(cache: WeightCache) -> WeightCache:
+    """``cache``, with its invariants checked after every event it is fed."""
+    for name in ("track", "on_snapshot", "on_update", "on_heartbeat"):
+        def call(*args, _method=getattr(cache, name), **kw):
+            out = _method(*args, **kw)
+            cache.validate_state()
+            return out
+        setattr(cache, name, call)
+    return cache
+
+
 def _cache_with(name="w", n=6, block=2, P=4):
-    cache = WeightCache(P)
+    cache = _checked(WeightCache(P))
     layout = TensorLayout(name, "float32", (n,), block)
     parts, keys = cache.track(layout)
     return cache, layout, parts, keys
@@ -364,6 +375,16 @@ def test_cache_snapshot_then_updates_in_order_and_gap_resync():
     assert not cache.parts[p].resync and cache.parts[p].last_seq == 8
     t = cache.tensor("w")
     assert t.shape == (6,) and not t.flags.writeable
+
+
+def test_cache_validate_state_names_a_broken_invariant():
+    cache, layout, parts, keys = _cache_with()
+    p = partition_of(keys[0], 4)
+    cache.on_snapshot({pp: 1 for pp in parts}, [(k, np.zeros(2, np.float32), 1, None)
+                                                 for k in keys])
+    cache.parts[p].buffered.append((2, []))            # buffered while in sync
+    with pytest.raises(AssertionError, match="buffered while in sync"):
+        cache.validate_state()
 
 
 def test_cache_version_is_min_over_blocks():
@@ -427,7 +448,7 @@ def test_delta_weights_reconstruct_what_the_shard_published(chain):
     out = sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
                                    "rule": {"name": "given"}, "opt": {"name": "sgd", "lr": 0.01},
                                    "i": 0}], [d], [bytes(buf)]))
-    cache = WeightCache(1)
+    cache = _checked(WeightCache(1))
     cache.track(layout)
 
     def feed(msg):

@@ -179,6 +179,27 @@ class WeightCache:
         return self.partitions_of(name) & self.down
 
 
+    # -- invariants --------------------------------------------------------------------
+    def validate_state(self) -> None:
+        """Assert the cache's invariants (tests call it after every event)."""
+        for name, layout in self.layouts.items():
+            for key in layout.block_keys():
+                part = self.parts.get(partition_of(key, self.P))
+                assert part is not None and key in part.keys, f"{name}: {key} not followed"
+        for p, part in self.parts.items():
+            assert part.p == p and 0 <= p < self.P, (p, part.p)
+            assert all(partition_of(k, self.P) == p for k in part.keys), f"partition {p}: keys"
+            assert part.pending.keys() <= part.keys, f"partition {p}: pending keys not followed"
+            assert len(part.buffered) <= UPDATE_BUFFER, f"partition {p}: buffer over its cap"
+            assert part.resync or not part.buffered, f"partition {p}: buffered while in sync"
+            assert part.last_seq >= -1
+        for key, block in self.blocks.items():
+            assert not block.value.flags.writeable and block.value.ndim == 1, key
+            assert block.pub is None or block.pub <= block.seq, (key, block.pub, block.seq)
+        assert all(v >= 0 for v in self.stats.values()), self.stats
+        assert all(0 <= p < self.P for p in self.down)
+
+
 def _frozen(arr: np.ndarray) -> np.ndarray:
     a = arr.reshape(-1)
     if a.flags.writeable:

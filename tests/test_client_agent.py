@@ -1,0 +1,290 @@
+"""The client's agent: its socket-free state driven by a fake clock, and the few behaviours that
+need a real broker (shutdown, the broker's heartbeat interval, answers to resends)."""
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+
+import gradbus
+from gradbus.codecs import timing, wire
+from gradbus.codecs.errors import Code, GradbusError
+from gradbus.workers.agent_state import AgentState, Send, Subscribe
+from gradbus.workers.cache import WeightCache
+from gradbus.workers.commands import ReadRows, Request, SendMessage, Stop, Track
+from gradbus.workers.credit import CreditWindow
+from gradbus.workers.resend import ResendTimer
+from gradbus.workers.versions import Versions
+
+from .conftest import wait_for
+
+
+class Clock:
+    """The injected monotonic clock: time moves only when a test says so."""
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_state(welcome=None, resend: ResendTimer | None = None, window: int = 8):
+    clock = Clock()
+    cond = threading.Condition()
+    state = AgentState(welcome if welcome is not None else {"partitions": 4},
+                       cache=WeightCache(4), cond=cond, credit=CreditWindow(window, 1 << 20, cond),
+                       versions=Versions(), stats=collections.Counter(),
+                       next_id=itertools.count(1).__next__,
+                       max_tensor_bytes=wire.MAX_TENSOR_BYTES, resend=resend, clock=clock)
+    return state, clock
+
+
+def push(state: AgentState, msg: int, acks: int = 1) -> tuple[list, Future | None]:
+    """Hand ``state`` a push as Client does: credit first, then the command."""
+    state.credit.take(10, 1.0, lambda: msg, lambda: None, state.stats)
+    frames = [wire.pack(wire.PUSH, [], msg=msg, acks=acks)]
+    fut = Future() if acks else None
+    state.command(SendMessage(msg, frames, fut))
+    assert [a.frames for a in state.take()] == [frames]     # sent at once
+    state.validate_state()
+    return frames, fut
+
+
+def feed(state: AgentState, header: bytes) -> None:
+    state.heard()
+    state.reply([header])
+    state.validate_state()
+
+
+def resent(actions: list, frames: list) -> int:
+    return sum(1 for a in actions if isinstance(a, Send) and a.frames is frames)
+
+
+# -- settling ----------------------------------------------------------------------------
+def test_an_answer_to_a_resent_push_is_counted_once():
+    state, _ = make_state(resend=ResendTimer(1.0, 8.0))
+    _, fut = push(state, 7)
+    _, _ = push(state, 8, acks=0)
+    feed(state, wire.pack(wire.ACK, msg=7))
+    feed(state, wire.pack(wire.ACK, msg=7))                   # the resend's answer
+    feed(state, wire.pack(wire.ACK, msg=0, msgs=[8, 8, 7]))   # and a batch repeating both
+    assert fut.done() and fut.result()["msg"] == 7
+    assert state.stats["pushes_acked"] == 2
+    assert state.stats["duplicate_answers"] == 2
+    assert not state.credit.held and state.credit.bytes == 0 and not state.resend.unsettled
+
+
+def test_an_error_for_a_push_already_settled_is_not_raised_again():
+    state, _ = make_state()
+    push(state, 3, acks=0)
+    err = wire.pack(wire.ERROR, msg=3, code=Code.NOT_FINITE.value, message="nan")
+    feed(state, err)
+    feed(state, err)
+    assert len(state.async_errors) == 1 and state.stats["push_errors"] == 1
+
+
+# -- resending ---------------------------------------------------------------------------
+def test_resends_back_off_exponentially_up_to_a_cap_and_reset_on_an_answer():
+    state, clock = make_state(resend=ResendTimer(1.0, 8.0))
+    t0 = clock.t
+    frames, _ = push(state, 1)
+    when = []
+    for step in range(400):                  # 40 s in steps of 0.1 s
+        clock.t = t0 + step / 10
+        state.tick()
+        state.validate_state()
+        if resent(state.take(), frames):
+            when.append(round(clock.t - t0, 1))
+    assert when == [1.0, 3.0, 7.0, 15.0, 23.0, 31.0, 39.0]   # +1, +2, +4, then +8 (the cap)
+    assert state.stats["resends"] == 7
+    # an answer (to another push) shows the broker answering: back to the first delay
+    push(state, 2)
+    feed(state, wire.pack(wire.ACK, msg=2))
+    assert state.resend.delay == 1.0
+    clock.t = t0 + 39.9
+    state.tick()
+    assert not resent(state.take(), frames)
+    clock.t = t0 + 40.0
+    state.tick()
+    assert resent(state.take(), frames) == 1
+
+
+def test_a_round_resends_only_what_waited_its_delay():
+    state, clock = make_state(resend=ResendTimer(1.0, 8.0))
+    t0 = clock.t
+    old, _ = push(state, 1)
+    clock.t = t0 + 0.6
+    new, _ = push(state, 2)
+    clock.t = t0 + 1.0
+    state.tick()
+    out = state.take()
+    assert resent(out, old) == 1 and resent(out, new) == 0
+    clock.t = t0 + 1.6                       # the delay doubled with the first round
+    state.tick()
+    assert resent(state.take(), new) == 0
+    clock.t = t0 + 2.6
+    state.tick()
+    assert resent(state.take(), new) == 1
+
+
+def test_recovering_is_retried_soon_whatever_the_backoff():
+    state, clock = make_state(resend=ResendTimer(1.0, 8.0))
+    t0 = clock.t
+    frames, fut = push(state, 4)
+    feed(state, wire.pack(wire.ERROR, msg=4, code=Code.RECOVERING.value, message="wait"))
+    assert not fut.done() and state.stats["recovering_retries"] == 1
+    clock.t = t0 + 0.2
+    state.tick()
+    assert resent(state.take(), frames) == 1
+    state.validate_state()
+    assert state.resend.delay == 1.0         # not a backoff round
+
+
+def test_no_resends_when_resending_is_off():
+    state, clock = make_state(resend=None)
+    frames, fut = push(state, 1)
+    clock.t += 1000
+    state.tick()
+    assert not resent(state.take(), frames)
+    feed(state, wire.pack(wire.ACK, msg=1))
+    assert fut.done() and state.stats["pushes_acked"] == 1
+
+
+# -- broker silence ----------------------------------------------------------------------
+def test_silence_is_judged_by_the_interval_welcome_names():
+    state, clock = make_state({"partitions": 4, "hb": 2.0})
+    t0 = clock.t
+    assert state.hb_interval == 2.0 and state.silence_after == 2.0 * timing.LIVENESS
+    clock.t = t0 + 2.0 * timing.LIVENESS      # an idle client between slow heartbeats
+    state.tick()
+    assert not state.broker_silent and state.stats["broker_silences"] == 0
+    clock.t += 0.01
+    state.tick()
+    assert state.broker_silent and state.stats["broker_silences"] == 1
+    state.heard()
+    state.tick()
+    assert not state.broker_silent
+
+
+@pytest.mark.parametrize("hb", [None, 0, -1.0, float("nan"), float("inf"), "2", True])
+def test_a_welcome_without_a_usable_interval_means_the_default(hb):
+    welcome = {"partitions": 4} if hb is None else {"partitions": 4, "hb": hb}
+    state, clock = make_state(welcome)
+    assert state.hb_interval == timing.HEARTBEAT_INTERVAL
+    clock.t += timing.HEARTBEAT_INTERVAL * timing.LIVENESS + 0.01
+    state.tick()
+    assert state.broker_silent
+
+
+def test_a_broker_beating_faster_is_not_held_to_a_tighter_window():
+    state, clock = make_state({"partitions": 4, "hb": 0.1})
+    assert state.hb_interval == 0.1
+    clock.t += timing.HEARTBEAT_INTERVAL * timing.LIVENESS
+    state.tick()
+    assert not state.broker_silent
+
+
+def test_the_clients_heartbeats_follow_the_clock():
+    state, clock = make_state()
+    hb = wire.pack(wire.HEARTBEAT)
+    beats = 0
+    for _ in range(10):
+        clock.t += timing.HEARTBEAT_INTERVAL / 2
+        state.tick()
+        beats += sum(1 for a in state.take() if a.frames == [hb])
+    assert beats == 5     # every HEARTBEAT_INTERVAL of the injected clock
+
+
+# -- commands and shutdown ---------------------------------------------------------------
+def test_track_subscribes_then_snapshots():
+    from gradbus.codecs.partition import TensorLayout
+    state, _ = make_state()
+    fut = Future()
+    state.command(Track([TensorLayout("w", "float32", (6,), 2)], fut))
+    out = state.take()
+    subs = [a for a in out if isinstance(a, Subscribe)]
+    snaps = [wire.unpack_header(a.frames[0], frozenset({wire.SNAPSHOT}))
+             for a in out if isinstance(a, Send)]
+    assert subs and len(snaps) == 1 and sorted(snaps[0]["keys"]) == ["w/0", "w/1", "w/2"]
+    assert not fut.done() and snaps[0]["req"] in state.req_futures
+    state.validate_state()
+
+
+def test_shutdown_fails_every_queued_and_waiting_future():
+    state, _ = make_state()
+    waiting = Future()
+    state.command(ReadRows(1, [b""], waiting))       # sent, its replies not in yet
+    queued = [SendMessage(2, [b""], Future()), Request(3, [b""], Future()),
+              ReadRows(4, [b""], Future()), Track([], Future()), SendMessage(5, [b""], None),
+              Stop()]
+    err = GradbusError("the agent failed")
+    state.fail_all(err, queued)
+    futs = [waiting] + [c.future for c in queued if c.future is not None]
+    assert len(futs) == 5 and all(f.exception(0) is err for f in futs)
+    assert not state.req_futures and not state.msg_futures and not state.row_parts
+    state.validate_state()
+
+
+# -- through a real broker ---------------------------------------------------------------
+class Boom:
+    """Not a command: the patched agent state fails on it."""
+    future = None
+
+
+def test_a_queued_rows_read_fails_with_the_agents_error_at_once(make_cluster):
+    cluster = make_cluster(1)
+    c = gradbus.connect(cluster.url)
+    boom = RuntimeError("injected agent failure")
+    real = c.state.command
+
+    def command(cmd):
+        if isinstance(cmd, Boom):
+            raise boom
+        real(cmd)
+    c.state.command = command
+    rows = ReadRows(1, [wire.pack(wire.ROWS, req=1, table="t", q=[])], Future())
+    try:
+        with c._lock:                # both queued before the agent drains either
+            c.agent.submit(Boom())
+            c.agent.submit(rows)
+        assert rows.future.exception(timeout=10) is boom   # not its own 30 s timeout
+        c.agent.join(10)
+        assert not c.agent.is_alive() and c.agent.error is boom
+    finally:
+        c.close()
+
+
+def test_an_idle_client_of_a_slow_heartbeat_broker_never_calls_it_silent(make_cluster):
+    cluster = make_cluster(1, broker_args=["--heartbeat-interval", "2"],
+                           shard_args=["--heartbeat-interval", "2"])
+    with gradbus.connect(cluster.url) as c:
+        assert c.state.hb_interval == 2.0
+        # three heartbeats heard: two whole 2 s gaps, each past the default 1 s of liveness
+        wait_for(lambda: c.stats["broker_heartbeats"] >= 3, 30, "three broker heartbeats")
+        assert c.stats["broker_silences"] == 0 and c.broker_alive
+
+
+def test_answers_to_resent_pushes_are_counted_once(make_cluster):
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(4, np.float32)})
+        sent = []
+        real = c.agent.submit
+        c.agent.submit = lambda cmd: (sent.append(cmd), real(cmd))
+        for _ in range(5):
+            c.push({"w": np.ones(4, np.float32)})
+        c.flush()
+        pushes = [cmd for cmd in sent if isinstance(cmd, SendMessage)]
+        assert len(pushes) == 5 and c.stats["pushes_acked"] == 5
+        with c._lock:    # each sent again, as the resend timer does: the broker answers again
+            for cmd in pushes:
+                real(SendMessage(cmd.msg, cmd.frames, None))
+        wait_for(lambda: c.stats["duplicate_answers"] == 5, 10, "the resends' answers")
+        assert c.stats["pushes_acked"] == c.stats["pushes"] == 5
+        assert not c._credit_held
+

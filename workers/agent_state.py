@@ -1,0 +1,377 @@
+"""What the agent thread knows and decides, without a socket: :class:`AgentState`.
+
+It is fed the user's commands (:mod:`.commands`), the broker's replies and events (as frames),
+and the passing of time (:meth:`AgentState.tick`), and answers with typed actions, :class:`Send`
+(frames to the broker) and :class:`Subscribe` (a topic on the events socket), which the agent
+loop (:mod:`.agent`) carries out. Futures are resolved and the weight cache is fed here, under
+the condition the client's readers wait on. Time is read only from the injected ``clock``.
+
+Broker silence is judged with the broker's own heartbeat interval, as WELCOME names it (``hb``;
+the default interval for a broker that does not say): silent after ``LIVENESS`` intervals
+without a heartbeat or reply, and never sooner than with the default interval (a broker
+beating faster than the default is not held to a tighter window than before).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from gradbus.codecs import timing, wire
+from gradbus.codecs.errors import Code, WireError, error_from
+
+from .commands import ReadRows, Request, SendMessage, Stop, Track
+from .resend import ResendTimer
+
+log = logging.getLogger("gradbus.client")
+
+SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried again, doubling ...
+SNAPSHOT_RETRY_MAX = 30.0    # ... up to this
+_MALFORMED = (TypeError, ValueError, KeyError, AttributeError, IndexError)
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``frames`` to the broker on the DEALER."""
+    frames: list
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """Subscribe the events socket to ``topic``."""
+    topic: bytes
+
+
+def broker_interval(welcome: dict) -> float:
+    """The seconds between the broker's heartbeats, as its WELCOME names them (``hb``), else
+    the default interval (a broker from before the field)."""
+    hb = welcome.get("hb")
+    if isinstance(hb, (int, float)) and not isinstance(hb, bool) and math.isfinite(hb) and hb > 0:
+        return float(hb)
+    return timing.HEARTBEAT_INTERVAL
+
+
+class AgentState:
+    def __init__(self, welcome: dict, *, cache, cond: threading.Condition, credit, versions,
+                 stats, next_id, max_tensor_bytes: int, resend: ResendTimer | None,
+                 clock=time.monotonic):
+        self.cache, self.cond, self.credit, self.versions = cache, cond, credit, versions
+        self.stats, self.next_id, self.max_tensor_bytes = stats, next_id, max_tensor_bytes
+        self.resend = resend
+        self.clock = clock
+        self.hb_interval = broker_interval(welcome)
+        self.silence_after = max(self.hb_interval, timing.HEARTBEAT_INTERVAL) * timing.LIVENESS
+        self.hb_every = timing.HEARTBEAT_INTERVAL   # the client's own heartbeats
+        self.poll_ms = int(self.hb_every * 1000 / 2)
+        now = clock()
+        self.last_heard = self.last_hb = now
+        self.broker_silent = False
+        self.stopped = False
+        self.async_errors: list = []                # errors of pushes nobody waits on
+        self.msg_futures: dict[int, Future] = {}    # msg -> Future of a push or init
+        self.req_futures: dict[int, Future] = {}    # req -> Future of a request
+        self.snap_parts: dict[int, list] = {}       # req -> [replies...]
+        self.row_parts: dict[int, dict] = {}        # req -> rows, versions, missing so far
+        self.internal: dict[int, list[str]] = {}    # req -> keys of a re-snapshot with no waiter
+        self.retries: list = []                     # (when, keys) re-snapshots to try again
+        self.retry_count: dict[str, int] = {}       # first key -> failed attempts in a row
+        self.out: list = []
+        self._hb = wire.pack(wire.HEARTBEAT)
+
+    def take(self) -> list:
+        """The actions decided since the last call, in order."""
+        out, self.out = self.out, []
+        return out
+
+    # -- commands ------------------------------------------------------------------------------
+    def command(self, cmd) -> None:
+        t = type(cmd)
+        if t is SendMessage:
+            if cmd.future is not None:
+                self.msg_futures[cmd.msg] = cmd.future
+            if self.resend is not None:
+                self.resend.sent(cmd.msg, cmd.frames, self.clock())
+            self.out.append(Send(cmd.frames))
+        elif t is Request:
+            self.req_futures[cmd.req] = cmd.future
+            self.out.append(Send(cmd.frames))
+        elif t is ReadRows:
+            self.req_futures[cmd.req] = cmd.future
+            self.row_parts[cmd.req] = {"rows": [], "tv": [], "missing": []}
+            self.out.append(Send(cmd.frames))
+        elif t is Track:
+            keys = []
+            for layout in cmd.layouts:
+                new_parts, ks = self.cache.track(layout)
+                self.out.extend(Subscribe(wire.topic_partition(p)) for p in new_parts)
+                keys += ks
+            if keys:
+                self._snapshot(keys, cmd.future)
+            else:
+                cmd.future.set_result(None)
+        elif t is Stop:
+            self.stopped = True
+        else:
+            raise TypeError(f"not a command: {cmd!r}")
+
+    def fail_all(self, err: BaseException, queued=()) -> None:
+        """The agent stops: every queued command's Future and every Future waiting on the
+        broker fail with ``err``."""
+        futs = [cmd.future for cmd in queued]
+        futs += self.msg_futures.values()
+        futs += self.req_futures.values()
+        for f in futs:
+            if f is not None and not f.done():
+                f.set_exception(err)
+        for waiting in (self.msg_futures, self.req_futures, self.snap_parts, self.row_parts,
+                        self.internal):
+            waiting.clear()
+        with self.cond:
+            self.cond.notify_all()
+
+    # -- time ----------------------------------------------------------------------------------
+    def heard(self) -> None:
+        """Something came from the broker."""
+        self.last_heard = self.clock()
+
+    def tick(self) -> None:
+        """What is due now: broker silence, re-snapshots, resends, our heartbeat."""
+        now = self.clock()
+        silent = now - self.last_heard > self.silence_after
+        if silent != self.broker_silent:
+            with self.cond:
+                self.broker_silent = silent
+                self.cond.notify_all()
+            if silent:
+                self.stats["broker_silences"] += 1
+        if self.retries and self.retries[0][0] <= now:
+            _, keys = self.retries.pop(0)
+            self._snapshot(keys, None)
+        if self.resend is not None and self.resend.unsettled:
+            for frames in self.resend.due(now):
+                self.stats["resends"] += 1
+                self.out.append(Send(frames))
+        if now - self.last_hb >= self.hb_every:
+            self.out.append(Send([self._hb]))
+            self.last_hb = now
+
+    # -- replies on the DEALER -------------------------------------------------------------------
+    def reply(self, frames) -> None:
+        """One message from the broker's frontend (a malformed one is counted and dropped)."""
+        self._guarded(self._reply, frames)
+
+    def _guarded(self, handler, frames) -> None:
+        try:
+            handler(frames)
+        except WireError as e:
+            self.stats["bad_messages"] += 1
+            log.warning("bad message from broker: %s", e)
+        except _MALFORMED as e:
+            self.stats["bad_messages"] += 1   # malformed beyond the schema: never fatal
+            log.warning("malformed message from broker: %r", e)
+
+    def _reply(self, frames) -> None:
+        h = wire.unpack_header(frames[0], wire.CLIENT_KINDS)
+        kind = h["kind"]
+        if kind in (wire.ACK, wire.INIT_OK) or (kind == wire.ERROR and "msg" in h):
+            self._settle(h)
+        elif kind == wire.SNAPSHOT_REPLY:
+            self._on_snapshot(h, frames[1:])
+        elif kind == wire.ROWS_REPLY:
+            self._on_rows(h, frames[1:])
+        elif kind in (wire.CATALOG_REPLY, wire.STATUS_REPLY) or (kind == wire.ERROR and "req" in h):
+            self._answer(kind, h)
+        elif kind == wire.ERROR:
+            self.stats["errors"] += 1
+            log.warning("broker error: %s %s", h["code"], h["message"])
+
+    def _answer(self, kind: str, h: dict) -> None:
+        req = h.get("req")
+        self.snap_parts.pop(req, None)
+        self.row_parts.pop(req, None)
+        keys = self.internal.pop(req, None)
+        if keys is not None and kind == wire.ERROR:
+            # a re-snapshot failed (e.g. the shard is down): try again later
+            n = self.retry_count.get(keys[0], 0) + 1 if keys else 1
+            if keys:
+                self.retry_count[keys[0]] = n
+            delay = min(SNAPSHOT_RETRY * 2 ** (n - 1), SNAPSHOT_RETRY_MAX)
+            self.retries.append((self.clock() + delay, keys))
+            self.retries.sort(key=lambda r: r[0])
+        fut = self.req_futures.pop(req, None)
+        if fut is not None and not fut.done():
+            if kind == wire.ERROR:
+                fut.set_exception(error_from(h["code"], h["message"]))
+            else:
+                fut.set_result(h)
+
+    def _settle(self, h: dict) -> None:
+        """Settle what an ACK (one push, or ``msgs``: several), INIT_OK or ERROR answers. The
+        credit of every push it settles returns at once, after their Futures are resolved."""
+        kind = h["kind"]
+        msgs = h.get("msgs") if kind == wire.ACK else None
+        if isinstance(msgs, list) and msgs and all(isinstance(m, int) for m in msgs):
+            ids = dict.fromkeys(msgs)
+        else:
+            ids = (h["msg"],)
+        settled = [m for m in ids if self._settle_one(kind, m, h)]
+        if settled:
+            # the credit returns last: flush() never ends before the Future (or the error a
+            # later push() raises) is settled
+            self.credit.release(settled)
+
+    def _settle_one(self, kind: str, msg: int, h: dict) -> bool:
+        """Resolve the Future of push or init ``msg``; False when it is to be sent again
+        instead, or was settled before (an answer to a resend: counted once)."""
+        resend = self.resend
+        if resend is not None:
+            if (kind == wire.ERROR and h["code"] == Code.RECOVERING.value
+                    and resend.refused_recovering(msg, self.clock())):
+                # a restarted broker still hearing from its shards: send it again shortly
+                self.stats["recovering_retries"] += 1
+                return False
+            resend.settled(msg)
+        fut = self.msg_futures.pop(msg, None)
+        if fut is None and msg not in self.credit.held:
+            self.stats["duplicate_answers"] += 1
+            return False
+        if kind == wire.ERROR:
+            self.stats["push_errors"] += 1
+            err = error_from(h["code"], h["message"])
+            if fut is None:
+                self.async_errors.append(err)
+            elif not fut.done():
+                fut.set_exception(err)
+        else:
+            if kind == wire.ACK:
+                self.stats["pushes_acked"] += 1
+            if fut is not None and not fut.done():
+                fut.set_result(h)
+        return True
+
+    def _blocks(self, h: dict, frames, keep=None) -> list:
+        """Validated, checksummed and decoded ``(key, array, version, base)`` of a message's
+        tensors (only keys in ``keep``, when given)."""
+        mtb = self.max_tensor_bytes
+        descs = wire.parse_tensors(h, frames, mtb)
+        return [(d.key, wire.decode_tensor(d, f, mtb), d.version or 0, d.base)
+                for d, f in zip(descs, frames) if keep is None or d.key in keep]
+
+    def _snapshot(self, keys: list[str], fut: Future | None) -> None:
+        req = self.next_id()
+        if fut is not None:
+            self.req_futures[req] = fut
+        else:
+            self.internal[req] = keys
+        self.snap_parts[req] = []
+        self.out.append(Send([wire.pack(wire.SNAPSHOT, req=req, keys=keys)]))
+
+    def _on_snapshot(self, h: dict, frames) -> None:
+        req = h["req"]
+        got = self.snap_parts.get(req)
+        if got is None:
+            return   # a late reply to a request already answered or failed: nothing to decode
+        blocks = self._blocks(h, frames)
+        parts = {int(p): int(s) for p, s in h["parts"]}
+        got.append((parts, blocks, h.get("missing") or []))
+        if len(got) < int(h.get("of", 1)):
+            return
+        del self.snap_parts[req]
+        keys = self.internal.pop(req, None)
+        if keys:
+            self.retry_count.pop(keys[0], None)
+        missing = [m for _, _, ms in got for m in ms]
+        with self.cond:
+            again = set()
+            for parts, blocks, _ in got:
+                again.update(self.cache.on_snapshot(parts, blocks))
+            self.cond.notify_all()
+        for p in again:
+            self._snapshot(self.cache.resync_keys(p), None)
+        fut = self.req_futures.pop(req, None)
+        if fut is not None and not fut.done():
+            if missing:
+                fut.set_exception(error_from(Code.UNKNOWN_KEY.value,
+                                             f"not held by any shard: {missing[:5]}"))
+            else:
+                fut.set_result(None)
+
+    def _on_rows(self, h: dict, frames) -> None:
+        """One shard's part of a table read; the Future resolves once every part is in."""
+        req = h["req"]
+        got = self.row_parts.get(req)
+        if got is None:
+            return
+        mtb = self.max_tensor_bytes
+        descs = wire.parse_tensors(h, frames, mtb)
+        got["rows"].extend((d, wire.decode_tensor(d, f, mtb)) for d, f in zip(descs, frames))
+        got["tv"].append(h["tv"] if isinstance(h.get("tv"), int) else -1)   # one per reply
+        if isinstance(h.get("missing"), list):
+            got["missing"] += h["missing"]
+        if len(got["tv"]) < int(h.get("of", 1)):
+            return
+        del self.row_parts[req]
+        fut = self.req_futures.pop(req, None)
+        if fut is not None and not fut.done():
+            if got["missing"]:
+                fut.set_exception(error_from(Code.UNKNOWN_KEY.value, f"partitions "
+                                             f"{got['missing'][:8]} of the table are not held"))
+            else:     # the rows, and the table's version when the broker sent the read
+                fut.set_result((got["rows"], min(got["tv"])))
+
+    # -- events on the SUB -------------------------------------------------------------------------
+    def event(self, frames) -> None:
+        """One message from the broker's events socket (a malformed one is counted, dropped)."""
+        self._guarded(self._event, frames)
+
+    def _event(self, frames) -> None:
+        topic = frames[0].bytes
+        if topic == wire.TOPIC_TABLE:
+            h = wire.unpack_header(frames[1], frozenset({wire.TABLE}))
+            with self.cond:
+                self.cache.down = set(h.get("down", []))
+                self.cond.notify_all()
+        elif topic == wire.TOPIC_HEARTBEAT:
+            self._on_heartbeat(wire.unpack_header(frames[1], frozenset({wire.HEARTBEAT})))
+        elif topic.startswith(b"p"):
+            self._on_update(frames)
+
+    def _on_heartbeat(self, h: dict) -> None:
+        self.stats["broker_heartbeats"] += 1
+        tv = h.get("tv")
+        if isinstance(tv, dict):
+            with self.cond:
+                self.versions.on_heartbeat(tv)
+                self.cond.notify_all()
+        ps, seqs = h.get("ps") or [], h.get("seqs") or []
+        if isinstance(ps, list) and isinstance(seqs, list) and len(ps) == len(seqs):
+            with self.cond:
+                behind = self.cache.on_heartbeat(ps, seqs)
+            for p in behind:
+                self._snapshot(self.cache.resync_keys(p), None)
+
+    def _on_update(self, frames) -> None:
+        h = wire.unpack_header(frames[1], frozenset({wire.UPDATE}))
+        part = self.cache.parts.get(h["p"])
+        if part is None:
+            return
+        blocks = self._blocks(h, frames[2:], part.keys)
+        with self.cond:
+            gap = self.cache.on_update(h["p"], h["seq"], blocks)
+            self.cond.notify_all()
+        self.stats["updates_received"] += 1
+        self.stats["recv_bytes"] += sum(len(f) for f in frames[2:])
+        if gap:
+            self._snapshot(self.cache.resync_keys(h["p"]), None)
+
+    def validate_state(self) -> None:
+        assert self.row_parts.keys() <= self.req_futures.keys(), "rows read without a waiter"
+        assert not (self.internal.keys() & self.req_futures.keys())
+        assert [r[0] for r in self.retries] == sorted(r[0] for r in self.retries)
+        if self.resend is not None:
+            self.resend.validate_state()
+        self.credit.validate_state()
+        self.cache.validate_state()

@@ -1,0 +1,52 @@
+"""What the user's threads hand the agent thread: one frozen dataclass per command.
+
+Every command that waits for an answer carries its :class:`~concurrent.futures.Future` as
+``future``, so whatever stops the agent can fail every queued command the same way.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SendMessage:
+    """A push or an init, named by its ``msg`` id: settled by ACK, INIT_OK or ERROR, and sent
+    again until then (the broker's duplicate window applies it once). ``future`` is None for a
+    push with ``acks=0``."""
+    msg: int
+    frames: list
+    future: Future | None
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """A request named by its ``req`` id (CATALOG, STATUS), answered by one reply or ERROR."""
+    req: int
+    frames: list
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class ReadRows:
+    """A read of table rows: one ROWS_REPLY per shard involved, gathered before ``future``
+    resolves to ``(rows, table_version)``."""
+    req: int
+    frames: list
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class Track:
+    """Follow these tensors' layouts (subscribe to their partitions, then snapshot them)."""
+    layouts: list
+    future: Future
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the agent thread."""
+    future: None = None
+
+
+Command = SendMessage | Request | ReadRows | Track | Stop

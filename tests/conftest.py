@@ -1,21 +1,18 @@
 """Fixtures: real clusters on ephemeral 127.0.0.1 ports, with deadlines and leak checks."""
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import os
 import sys
 import threading
-import time
 import traceback
 import weakref
-from unittest import mock
 
 import pytest
 import zmq
 
 from gradbus.cluster import LocalCluster
-from gradbus.codecs import jit
+
+from .rigs import cluster_cores, replica_mismatches, state_problems, wait_for, zombie_or_gone
 
 try:   # CI runs the property tests on fixed examples (reproducible); locally they stay random
     from hypothesis import settings as _hyp_settings
@@ -24,34 +21,6 @@ try:   # CI runs the property tests on fixed examples (reproducible); locally th
         _hyp_settings.load_profile("ci")
 except ImportError:
     pass
-
-
-# The half-precision codecs' two paths: numba's loops where numba imports, numpy everywhere.
-JIT_PATHS = ["numpy", pytest.param("numba", marks=pytest.mark.skipif(
-    importlib.util.find_spec("numba") is None, reason="numba is not installed"))]
-
-
-@contextlib.contextmanager
-def jit_path(path: str):
-    """Run the codecs on ``path`` (one of :data:`JIT_PATHS`) inside the block."""
-    if path == "numba":
-        assert jit.loops() is not None
-        yield
-    else:
-        with mock.patch.object(jit, "loops", lambda: None):
-            yield
-
-
-def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
-    """Poll ``cond`` until truthy or fail after ``timeout`` seconds (no fixed sleeps)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = cond()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 def _gradbus_threads():
@@ -174,7 +143,11 @@ def no_leaked_sockets_or_fds():
 
 @pytest.fixture
 def make_cluster():
-    """Factory: ``make_cluster(shards=2, processes=True)`` -> a started LocalCluster."""
+    """Factory: ``make_cluster(shards=2, processes=True)`` -> a started LocalCluster.
+
+    At teardown an in-process cluster's cores (broker and shards, reached through the cluster's
+    servers) are checked with ``validate_state()`` once they stopped; a replicated cluster of
+    processes has its replicas' digests compared. A problem found fails the test, named."""
     started = []
 
     def factory(shards: int = 2, **kw) -> LocalCluster:
@@ -183,16 +156,15 @@ def make_cluster():
         return c.start()
 
     yield factory
+    problems = []
     for c in started:
         pids = c.pids()
+        if c.broker_proc is not None and c.broker_proc.poll() is None:
+            problems += replica_mismatches(c)
+        cores = cluster_cores(c)
         c.stop()
+        problems += state_problems(cores)
         for pid in pids:  # every child is reaped: no orphans
-            assert not os.path.exists(f"/proc/{pid}") or _zombie_or_gone(pid)
-
-
-def _zombie_or_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+            assert not os.path.exists(f"/proc/{pid}") or zombie_or_gone(pid)
+    if problems:
+        pytest.fail("cluster state at teardown: " + "; ".join(problems))

@@ -11,8 +11,17 @@ import pytest
 from gradbus.broker import core as bcore
 from gradbus.broker import log as ulog
 from gradbus.broker import settings
-from gradbus.broker.actions import (AckClient, Acked, Adopt, AppendLog, Publish, ReadLog,
-                                    SyncLog, ToClient, ToShard)
+from gradbus.broker.actions import (
+    AckClient,
+    Acked,
+    Adopt,
+    AppendLog,
+    Publish,
+    ReadLog,
+    SyncLog,
+    ToClient,
+    ToShard,
+)
 from gradbus.broker.core import BrokerCore
 from gradbus.broker.membership import Membership, ShardInfo
 from gradbus.broker.partition_table import PartitionTable
@@ -21,7 +30,7 @@ from gradbus.codecs import wire
 from gradbus.codecs.partition import partition_of
 from gradbus.shards.core import ShardCore
 
-from .test_state_machines import Rig, init_msg, push_msg, unpack
+from .rigs import Rig, init_msg, push_msg, unpack
 
 
 def _table(ids=("a", "b", "c"), replicas=1):

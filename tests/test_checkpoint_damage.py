@@ -16,8 +16,7 @@ from gradbus.codecs import wire
 from gradbus.codecs.errors import WireError
 from gradbus.shards import checkpoint
 
-from .test_replication import ADAM, RepRig
-from .test_state_machines import init_msg, push_msg
+from .rigs import ADAM, RepRig, init_msg, push_msg
 
 DAMAGES = ["manifest", "older_file", "missing_file", "header_byte"]
 

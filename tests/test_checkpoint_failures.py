@@ -14,8 +14,7 @@ import pytest
 import gradbus
 from gradbus.shards import checkpoint
 
-from .conftest import wait_for
-from .test_durability import _core_with_state
+from .rigs import shard_with_state, wait_for
 
 FAILURES = 13
 
@@ -43,7 +42,7 @@ def _full_after(limit: int):
 
 
 def test_failed_writes_leave_no_tmp_and_keep_the_good_checkpoints(tmp_path, monkeypatch):
-    core = _core_with_state()
+    core = shard_with_state()
     root, base = str(tmp_path), tmp_path / "s0"
     good = checkpoint.write(root, "s0", core.states(), keep=2, now=1.0)
     crashed = base / "ckpt-00000000000000000002.tmp"      # a write a crash interrupted

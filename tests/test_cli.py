@@ -14,8 +14,8 @@ from click.testing import CliRunner
 import gradbus
 from gradbus.cli import main
 
-from .conftest import _zombie_or_gone as _gone
-from .conftest import wait_for
+from .rigs import wait_for
+from .rigs import zombie_or_gone as _gone
 
 COMMANDS = ["broker", "shard", "up", "demo", "status"]
 
@@ -58,7 +58,7 @@ def test_up_ready_status_and_sigterm_leaves_no_orphans():
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
         for k in kids:
-            wait_for(lambda: _gone(k), 10, f"child {k} to exit")
+            wait_for(lambda k=k: _gone(k), 10, f"child {k} to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -108,7 +108,7 @@ def test_demo_worker_waits_for_shards_instead_of_failing():
     from gradbus.demo import _init_when_ready
     from gradbus.shards.server import ShardServer
 
-    from .conftest import wait_for
+    from .rigs import wait_for
 
     broker = BrokerServer("127.0.0.1", 0)
     threads = [broker.start_thread()]

@@ -20,7 +20,7 @@ from gradbus.workers.credit import CreditWindow
 from gradbus.workers.resend import ResendTimer
 from gradbus.workers.versions import Versions
 
-from .conftest import wait_for
+from .rigs import wait_for
 
 
 class Clock:

@@ -22,7 +22,7 @@ from hypothesis.extra import numpy as hnp
 from gradbus.codecs import jit, tensor, wire
 from gradbus.codecs.errors import Code, WireError
 
-from .conftest import JIT_PATHS, jit_path
+from .rigs import JIT_PATHS, jit_path
 
 SETTINGS = settings(max_examples=60, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

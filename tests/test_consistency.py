@@ -11,15 +11,14 @@ import gradbus
 from gradbus.codecs import specs, wire
 from gradbus.codecs.partition import TensorLayout
 
-from .test_replication import RepRig
-from .test_state_machines import _blocks
+from .rigs import RepRig, encode_blocks
 
 SGD1 = {"name": "sgd", "lr": 1.0}
 
 
 def _init(rig, cons, n=4, ident=b"c"):
     layout = TensorLayout("w", "float32", (n,), 4)
-    descs, bufs = _blocks(layout, np.zeros(n, np.float32))
+    descs, bufs = encode_blocks(layout, np.zeros(n, np.float32))
     rig.client(ident, [wire.pack(wire.INIT, descs, msg=1, opt=SGD1, cons=cons,
                                  tensors=[{**layout.to_wire(), "init": {"name": "given"}}]),
                        *bufs])
@@ -28,7 +27,7 @@ def _init(rig, cons, n=4, ident=b"c"):
 
 
 def _push(rig, ident, msg, layout, ver, value=1.0):
-    descs, bufs = _blocks(layout, np.full(layout.size, value, np.float32))
+    descs, bufs = encode_blocks(layout, np.full(layout.size, value, np.float32))
     rig.client(ident, [wire.pack(wire.PUSH, descs, msg=msg, acks=1, ver=ver), *bufs])
 
 
@@ -86,7 +85,7 @@ def test_bsp_applies_a_step_when_every_worker_is_in():
 def test_bsp_push_without_a_version_is_refused_and_bad_models_are_refused():
     rig = RepRig(("s0",))
     layout = _init(rig, specs.parse_consistency("bsp:2"))
-    descs, bufs = _blocks(layout, np.ones(4, np.float32))
+    descs, bufs = encode_blocks(layout, np.ones(4, np.float32))
     rig.client(b"c", [wire.pack(wire.PUSH, descs, msg=5, acks=1), *bufs])
     assert rig.replies(b"c")[0]["code"] == "BAD_REQUEST"
     for bad in ("bsp:0", "ssp:x", "sync", "ssp:-1"):
@@ -137,7 +136,7 @@ def test_ssp_delay_makes_pull_wait_for_fresh_enough_weights(make_cluster):
             fast.push({"w": np.ones(4, np.float32)}).result(10)
         # the broker names the tensor's version in its heartbeat; pull then waits until the
         # local weights are at most 3 versions behind it
-        from .conftest import wait_for
+        from .rigs import wait_for
         wait_for(lambda: slow._server_versions.get("w") == 10, 10, "the heartbeat's version")
         slow.pull(["w"], timeout=10)
         assert slow.version("w") >= 7

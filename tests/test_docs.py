@@ -22,7 +22,7 @@ import pytest
 import gradbus
 from gradbus.cluster import in_process
 
-from .conftest import wait_for
+from .rigs import wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SDK = ROOT / "docs" / "sdk.md"

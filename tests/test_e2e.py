@@ -9,7 +9,7 @@ import pytest
 import gradbus
 from gradbus import admin
 
-from .conftest import wait_for
+from .rigs import wait_for
 
 LR = 0.25     # powers of two: every intermediate result is exact in float32 and float64
 G = 0.5

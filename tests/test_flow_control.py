@@ -33,7 +33,7 @@ def test_slow_shard_back_pressures_then_drains(make_cluster):
 def test_stalled_shard_declared_dead_rejoins_after_sigcont(make_cluster):
     import signal
 
-    from .conftest import wait_for
+    from .rigs import wait_for
 
     cluster = make_cluster(1)
     with gradbus.connect(cluster.url, timeout=20) as c:
@@ -85,7 +85,7 @@ def test_shard_stopped_ten_seconds_bounds_memory_and_loses_nothing(make_cluster)
     import signal
     import time
 
-    from .conftest import wait_for
+    from .rigs import wait_for
 
     slow_hb = ["--heartbeat-interval", "0.25", "--liveness", "80"]     # 20 s window
     cluster = make_cluster(1, broker_args=slow_hb, shard_args=slow_hb)

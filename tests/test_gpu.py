@@ -7,39 +7,12 @@ import sys
 import numpy as np
 import pytest
 
-from gradbus.codecs import specs
 from gradbus.shards import backend, optim
 
-SPECS = {"sgd": specs.SGD(lr=0.1), "momentum": specs.SGD(lr=0.1, momentum=0.9),
-         "adam": specs.Adam(lr=0.05, betas=(0.9, 0.99), eps=1e-6),
-         "adagrad": specs.Adagrad(lr=0.1, eps=1e-6)}
-STATE = {"sgd": (), "momentum": ("v",), "adam": ("m", "v"), "adagrad": ("h",)}
+from .rigs import NUMPY, SPECS, backend_steps, data
+
 # cupy may contract a*b + c into an FMA: agreement to rounding, not bit for bit
 TOL = {np.float32: {"rtol": 1e-5, "atol": 1e-6}, np.float64: {"rtol": 1e-12, "atol": 1e-13}}
-NUMPY = backend.NumpyBackend(jit=False)
-
-
-def backend_steps(be, name, w, grads, k):
-    """Step ``w`` (a backend array, in place) once per gradient sum through the backend's step
-    functions, with the hyper-parameters of ``SPECS[name]``; returns the state arrays."""
-    spec = SPECS[name]
-    st = {s: be.xp.zeros(w.size, w.dtype) for s in STATE[name]}
-    for t, g in enumerate(grads, start=1):
-        if name == "sgd":
-            be.sgd_step(w, g, spec.lr)
-        elif name == "momentum":
-            be.momentum_step(w, g, st["v"], k, spec.lr, spec.momentum)
-        elif name == "adam":
-            be.adam_step(w, g, st["m"], st["v"], k, t * k, spec.lr, *spec.betas, spec.eps)
-        else:
-            be.adagrad_step(w, g, st["h"], k, spec.lr, spec.eps)
-    return st
-
-
-def data(n, dtype, steps=3, seed=0):
-    rng = np.random.default_rng(seed)
-    w = rng.standard_normal(n).astype(dtype)
-    return w, [rng.standard_normal(n).astype(dtype) for _ in range(steps)]
 
 
 # -- the numpy backend, here ---------------------------------------------------------------------

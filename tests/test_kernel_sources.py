@@ -20,7 +20,7 @@ import pytest
 from gradbus.codecs import tensor
 from gradbus.shards import backend
 
-from .test_gpu import NUMPY, SPECS, STATE, backend_steps, data
+from .rigs import NUMPY, SPECS, STATE, backend_steps, data
 
 CXX = shutil.which("g++") or shutil.which("c++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="no C++ compiler")
@@ -73,7 +73,7 @@ def _function(name: str, src: tuple, arrays: set, ctype: str) -> str:
             si += 1
     return (f'extern "C" void {name}(long long size_, void** arrays_, const double* scalars_) '
             f"{{\ntypedef {ctype} T; typedef int64 I;\n" + "\n".join(lines) + "\n"
-            f"for (ptrdiff_t i = 0; i < (ptrdiff_t)size_; ++i) {{\n" + "\n".join(per_i)
+            "for (ptrdiff_t i = 0; i < (ptrdiff_t)size_; ++i) {\n" + "\n".join(per_i)
             + f"\n{{\n{src[2]}\n}}\n}}\n}}\n")
 
 

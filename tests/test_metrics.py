@@ -15,7 +15,7 @@ from gradbus.cluster import LocalCluster
 from gradbus.codecs import stats
 from gradbus.metrics import MetricsExporter, parse
 
-from .conftest import wait_for
+from .rigs import wait_for
 
 
 def _scrape(url):
@@ -48,7 +48,7 @@ def test_cluster_processes_serve_metrics_that_match_the_pushes(make_cluster):
     assert b["gradbus_broker_batch_entries_count"] >= 1
     applied = 0.0
     for sid in ("shard-0", "shard-1"):
-        m = wait_for(lambda: _scrape(urls[sid]), 5, sid)
+        m = wait_for(lambda sid=sid: _scrape(urls[sid]), 5, sid)
         applied += m["gradbus_shard_pushes_applied_total"]
         assert "gradbus_shard_apply_seconds_bucket{le=\"+Inf\"}" in m
     assert applied == n
@@ -107,6 +107,7 @@ def test_the_sdk_serves_its_own_metrics_on_request(make_cluster):
 
 def test_every_metric_is_in_the_operations_guide():
     from pathlib import Path
+
     from gradbus.broker.core import BrokerCore
     from gradbus.metrics import client_snapshot
     from gradbus.shards.core import ShardCore

@@ -15,7 +15,7 @@ import gradbus
 from gradbus import admin
 from gradbus.shards import checkpoint
 
-from .conftest import wait_for
+from .rigs import wait_for
 
 
 def _restore(*args):

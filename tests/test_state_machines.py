@@ -3,99 +3,15 @@ from __future__ import annotations
 
 import re
 
-import msgpack
 import numpy as np
 import pytest
 
-from gradbus.broker.actions import Publish, ToClient, ToShard
-from gradbus.broker.core import BrokerCore
 from gradbus.codecs import wire
 from gradbus.codecs.partition import TensorLayout, partition_of
 from gradbus.shards.core import ShardCore
 from gradbus.workers.cache import WeightCache
 
-from .conftest import JIT_PATHS, jit_path
-
-SGD = {"name": "sgd", "lr": 0.5}
-
-
-def unpack(frame) -> dict:
-    return msgpack.unpackb(frame)
-
-
-def sends(actions, where):
-    return [a for a in actions if isinstance(a, where)]
-
-
-class Rig:
-    """A broker core wired to shard cores in memory: frames go straight across."""
-
-    def __init__(self, shards=("s0",), partitions=16, **kw):
-        self.now = 0.0
-        self.broker = BrokerCore(partitions, now=0.0, **kw)
-        self.shards = {sid: CheckedShard(sid) for sid in shards}
-        self.to_clients: list = []
-        self.published: list = []
-        self.held: list = []     # batches captured instead of delivered (when hold=True)
-        self.hold = False
-        for sid in shards:
-            self.deliver(self.broker.on_backend(sid.encode(),
-                                                [wire.pack(wire.REGISTER, shard=sid)], self.now))
-
-    def deliver(self, actions):
-        for a in actions:
-            if isinstance(a, ToClient):
-                self.to_clients.append((a.identity, [bytes(f) for f in a.frames]))
-            elif isinstance(a, Publish):
-                self.published.append([bytes(f) for f in a.frames])
-            elif isinstance(a, ToShard):
-                if self.hold and unpack(a.frames[0])["kind"] == "batch":
-                    self.held.append(a)
-                    continue
-                self.to_shard(a.identity.decode(), a.frames)
-
-    def to_shard(self, sid, frames):
-        if unpack(frames[0])["kind"] in ("registered", "heartbeat"):
-            return
-        for out in self.shards[sid].handle([bytes(f) for f in frames]):
-            self.deliver(self.broker.on_backend(sid.encode(), [bytes(f) for f in out], self.now))
-
-    def client(self, ident, frames):
-        self.deliver(self.broker.on_frontend(ident, frames, self.now))
-        self.deliver(self.broker.flush(self.now))
-
-    def replies(self, ident):
-        """Replies to one client, an ACK for several pushes counted once per push."""
-        out = []
-        for i, f in self.to_clients:
-            if i == ident:
-                h = unpack(f[0])
-                out += [{**h, "msg": m} for m in h["msgs"]] if "msgs" in h else [h]
-        self.to_clients = [x for x in self.to_clients if x[0] != ident]
-        return out
-
-
-def _blocks(layout, values):
-    descs, bufs = [], []
-    flat = values.reshape(-1)
-    for i, key in enumerate(layout.block_keys()):
-        a, b = layout.block_range(i)
-        d, buf = wire.encode_tensor(key, flat[a:b].copy())
-        descs.append(d)
-        bufs.append(bytes(buf))
-    return descs, bufs
-
-
-def init_msg(msg, name, values, opt=SGD):
-    layout = TensorLayout(name, values.dtype.name, values.shape, 4)
-    descs, bufs = _blocks(layout, values)
-    return [wire.pack(wire.INIT, descs, msg=msg, opt=opt,
-                      tensors=[{**layout.to_wire(), "init": {"name": "given"}}]), *bufs], layout
-
-
-def push_msg(msg, layout, grad):
-    descs, bufs = _blocks(layout, grad)
-    return [wire.pack(wire.PUSH, descs, msg=msg, acks=1), *bufs]
+from .rigs import JIT_PATHS, SGD, CheckedShard, Rig, init_msg, jit_path, push_msg, unpack
 
 
 def test_init_push_ack_and_known_answer():
@@ -181,15 +97,6 @@ def test_back_pressure_flag():
 
 
 # ---------------------------------------------------------------- shard core
-class CheckedShard(ShardCore):
-    """A shard core that checks its invariants after every message it handles."""
-
-    def handle(self, frames, header=None):
-        out = super().handle(frames, header)
-        self.validate_state()
-        return out
-
-
 def _batch(p, seq, entries, descs, frames):
     return [wire.pack(wire.BATCH, descs, parts=[{"p": p, "seq": seq, "epoch": 1, "e": entries}]),
             *frames]
@@ -339,12 +246,14 @@ def test_shard_validate_state_names_the_broken_invariant():
 # ---------------------------------------------------------------- client cache
 def _checked(cache: WeightCache) -> WeightCache:
     """``cache``, with its invariants checked after every event it is fed."""
-    for name in ("track", "on_snapshot", "on_update", "on_heartbeat"):
-        def call(*args, _method=getattr(cache, name), **kw):
-            out = _method(*args, **kw)
+    def checking(method):
+        def call(*args, **kw):
+            out = method(*args, **kw)
             cache.validate_state()
             return out
-        setattr(cache, name, call)
+        return call
+    for name in ("track", "on_snapshot", "on_update", "on_heartbeat"):
+        setattr(cache, name, checking(getattr(cache, name)))
     return cache
 
 
@@ -387,7 +296,7 @@ def test_cache_validate_state_names_a_broken_invariant():
         cache.validate_state()
 
 
-def test_cache_version_is_min_over_blocks():
+def test_cache_version_is_min_overencode_blocks():
     cache, layout, parts, keys = _cache_with()
     snap = {partition_of(k, 4): 1 for k in keys}
     cache.on_snapshot(snap, [(k, np.zeros(2, np.float32), i + 3, None) for i, k in enumerate(keys)])

@@ -10,18 +10,16 @@ import pytest
 
 import gradbus
 from gradbus import admin
+from gradbus.broker.actions import ToClient
+from gradbus.broker.core import BrokerCore
 from gradbus.codecs import specs, wire
 from gradbus.codecs.errors import Code
 from gradbus.codecs.partition import row_key, row_partitions
-from gradbus.broker.actions import ToClient
-from gradbus.broker.core import BrokerCore
 from gradbus.shards.core import ShardCore
 from gradbus.shards.rows import row_init
 from gradbus.workers import tables as rows_mod
 
-from .conftest import wait_for
-from .test_replication import RepRig
-from .test_state_machines import Rig, unpack
+from .rigs import RepRig, Rig, unpack, wait_for
 
 P = 16
 SGD = {"name": "sgd", "lr": 0.5}
@@ -225,6 +223,7 @@ def test_sdk_tables_end_to_end(make_cluster):
         held = [s["bytes"] for s in st["shards"]]          # what rebalancing weighs
         assert sum(held) == 5001 * 8 * 4 and min(held) > sum(held) / 4, held
         from click.testing import CliRunner
+
         from gradbus.cli import main
         out = CliRunner().invoke(main, ["status", "--broker", cl.url]).output
         line = next(x for x in out.splitlines() if x.startswith("emb "))

@@ -13,6 +13,7 @@ import math
 import threading
 
 import numpy as np
+
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs import wire
 
@@ -74,6 +75,7 @@ def cluster_workload() -> None:
     k entries."""
     import gradbus
     from gradbus.cluster import LocalCluster
+    from tests.rigs import cluster_cores, state_problems
 
     cluster = LocalCluster(2, port=0, processes=False).start()
     try:
@@ -111,7 +113,10 @@ def cluster_workload() -> None:
                 wrong.append(chain)
         assert not wrong, f"wrong weights after concurrent pushes with {wrong}"
     finally:
+        cores = cluster_cores(cluster)
         cluster.stop()
+    problems = state_problems(cores)
+    assert not problems, f"cluster state after the run: {problems}"
     print("OK", len(CHAINS), "chains")
 
 
@@ -154,7 +159,7 @@ def decoders_workload(threads: int = 6, rounds: int = 3) -> None:
     want = {chain: _decode_all(fr) for chain, fr in frames.items()}
 
     def decode(i):
-        for r in range(rounds):
+        for _ in range(rounds):
             for chain in CHAINS[i:] + CHAINS[:i]:
                 got = _decode_all(frames[chain])
                 for a, b in zip(got, want[chain], strict=True):

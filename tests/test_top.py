@@ -24,7 +24,8 @@ import gradbus
 from gradbus import top
 from gradbus.cli import main
 
-from .conftest import wait_for
+from .rigs import wait_for
+
 
 def test_help():
     r = CliRunner().invoke(main, ["top", "--help"])

@@ -19,7 +19,7 @@ from gradbus import admin
 from gradbus.cluster import RestartPolicy
 from gradbus.codecs import net
 
-from .conftest import _zombie_or_gone, wait_for
+from .rigs import wait_for, zombie_or_gone
 
 LR = 2.0 ** -6
 FAST = {"GRADBUS_BROKER_HEARTBEAT_INTERVAL": "0.1", "GRADBUS_BROKER_LIVENESS": "5"}
@@ -69,7 +69,7 @@ class Up:
                     argv = f.read().decode().split("\0")
             except FileNotFoundError:
                 continue
-            if _zombie_or_gone(pid) or "gradbus" not in argv:
+            if zombie_or_gone(pid) or "gradbus" not in argv:
                 continue
             cmd = argv[argv.index("gradbus") + 1]
             if cmd not in ("broker", "shard"):   # forked, not yet the program it runs
@@ -89,7 +89,7 @@ class Up:
         self.proc.stdout.close()
         self.err.close()
         for pid in self.seen:       # every child ends with up (PR_SET_PDEATHSIG)
-            wait_for(lambda pid=pid: _zombie_or_gone(pid), 10, f"child {pid} to exit")
+            wait_for(lambda pid=pid: zombie_or_gone(pid), 10, f"child {pid} to exit")
 
 
 @pytest.fixture
@@ -198,7 +198,7 @@ def test_a_shard_that_fails_at_the_stop_makes_up_exit_non_zero(up):
         u.proc.send_signal(signal.SIGTERM)
         assert u.proc.wait(60) == 1
     finally:
-        if not _zombie_or_gone(shard):
+        if not zombie_or_gone(shard):
             os.kill(shard, signal.SIGCONT)
     assert "shard-0 exited with -9 while stopping" in u.stderr()
 

@@ -1,0 +1,302 @@
+"""Shared test rigs: cores wired in memory (no sockets) and the helpers that feed them.
+
+:class:`Rig` wires a broker core to shard cores; :class:`RepRig` adds held-back messages, ticks
+and joins. Both run every core's ``validate_state()`` after each event they feed (a client
+message, a shard's reply, a tick), so a broken invariant fails the test at the event that broke
+it. Fixtures live in ``conftest.py``; test modules import rigs and helpers from here only.
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import time
+from unittest import mock
+
+import msgpack
+import numpy as np
+import pytest
+
+from gradbus.broker.actions import Publish, ToClient, ToShard
+from gradbus.broker.core import BrokerCore
+from gradbus.codecs import jit, specs, wire
+from gradbus.codecs.partition import TensorLayout
+from gradbus.shards import backend
+from gradbus.shards.core import ShardCore
+
+# The half-precision codecs' two paths: numba's loops where numba imports, numpy everywhere.
+JIT_PATHS = ["numpy", pytest.param("numba", marks=pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None, reason="numba is not installed"))]
+
+
+@contextlib.contextmanager
+def jit_path(path: str):
+    """Run the codecs on ``path`` (one of :data:`JIT_PATHS`) inside the block."""
+    if path == "numba":
+        assert jit.loops() is not None
+        yield
+    else:
+        with mock.patch.object(jit, "loops", lambda: None):
+            yield
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
+    """Poll ``cond`` until truthy or fail after ``timeout`` seconds (no fixed sleeps)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.02)
+
+
+def zombie_or_gone(pid: int) -> bool:
+    """The process ``pid`` has exited (reaped or not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+SGD = {"name": "sgd", "lr": 0.5}
+ADAM = {"name": "adam", "lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}
+
+
+def unpack(frame) -> dict:
+    return msgpack.unpackb(frame)
+
+
+class CheckedShard(ShardCore):
+    """A shard core that checks its invariants after every message it handles."""
+
+    def handle(self, frames, header=None):
+        out = super().handle(frames, header)
+        self.validate_state()
+        return out
+
+
+class Rig:
+    """A broker core wired to shard cores in memory: frames go straight across."""
+
+    def __init__(self, shards=("s0",), partitions=16, **kw):
+        self.now = 0.0
+        self.broker = BrokerCore(partitions, now=0.0, **kw)
+        self.shards = {sid: CheckedShard(sid) for sid in shards}
+        self.to_clients: list = []
+        self.published: list = []
+        self.held: list = []     # batches captured instead of delivered (when hold=True)
+        self.hold = False
+        for sid in shards:
+            self.deliver(self.broker.on_backend(sid.encode(),
+                                                [wire.pack(wire.REGISTER, shard=sid)], self.now))
+            self.check()
+
+    def check(self) -> None:
+        """Every core's invariants: the broker's and each shard's (also those put in by hand)."""
+        self.broker.validate_state()
+        for sc in self.shards.values():
+            sc.validate_state()
+
+    def deliver(self, actions):
+        for a in actions:
+            if isinstance(a, ToClient):
+                self.to_clients.append((a.identity, [bytes(f) for f in a.frames]))
+            elif isinstance(a, Publish):
+                self.published.append([bytes(f) for f in a.frames])
+            elif isinstance(a, ToShard):
+                if self.hold and unpack(a.frames[0])["kind"] == "batch":
+                    self.held.append(a)
+                    continue
+                self.to_shard(a.identity.decode(), a.frames)
+
+    def to_shard(self, sid, frames):
+        if unpack(frames[0])["kind"] in ("registered", "heartbeat"):
+            return
+        for out in self.shards[sid].handle([bytes(f) for f in frames]):
+            actions = self.broker.on_backend(sid.encode(), [bytes(f) for f in out], self.now)
+            self.check()
+            self.deliver(actions)
+
+    def client(self, ident, frames):
+        self.deliver(self.broker.on_frontend(ident, frames, self.now))
+        self.check()
+        self.deliver(self.broker.flush(self.now))
+        self.check()
+
+    def replies(self, ident):
+        """Replies to one client, an ACK for several pushes counted once per push."""
+        out = []
+        for i, f in self.to_clients:
+            if i == ident:
+                h = unpack(f[0])
+                out += [{**h, "msg": m} for m in h["msgs"]] if "msgs" in h else [h]
+        self.to_clients = [x for x in self.to_clients if x[0] != ident]
+        return out
+
+
+class RepRig(Rig):
+    """A Rig whose messages to chosen shards can be held back and delivered later."""
+
+    def __init__(self, shards=("s0", "s1", "s2"), **kw):
+        self.intercept = None     # (shard id, kind) -> True to hold the message
+        self.dead: set = set()    # shards that send no heartbeat on tick()
+        super().__init__(shards, **kw)
+
+    def deliver(self, actions):
+        for a in actions:
+            if isinstance(a, ToShard) and self.intercept and self.intercept(
+                    a.identity.decode(), unpack(a.frames[0])["kind"]):
+                self.held.append(a)
+                continue
+            super().deliver([a])
+
+    def release(self, sid=None):
+        keep, go = [], []
+        for a in self.held:
+            (go if sid is None or a.identity.decode() == sid else keep).append(a)
+        self.held = keep
+        for a in go:
+            self.to_shard(a.identity.decode(), a.frames)
+
+    def register(self, sid):
+        actions = self.broker.on_backend(sid.encode(), [wire.pack(
+            wire.REGISTER, shard=sid, **self.shards[sid].register_fields())], self.now)
+        self.check()
+        self.deliver(actions)
+
+    def tick(self, dt):
+        self.now += dt
+        for sid in self.shards:
+            info = self.broker.shards.get(sid)
+            if info and info.alive and sid not in self.dead:
+                self.broker.on_backend(sid.encode(), [wire.pack(wire.HEARTBEAT)], self.now)
+                self.check()
+        self.deliver(self.broker.on_tick(self.now))
+        self.check()
+        self.deliver(self.broker.flush(self.now))
+        self.check()
+
+    def join(self, sid, rounds=60, dt=0.05):
+        """A new shard registers; tick until the moves it started are done."""
+        self.shards[sid] = CheckedShard(sid)
+        self.register(sid)
+        for _ in range(rounds):
+            self.tick(dt)
+            b = self.broker
+            if not b.moves and not b.syncing and not b.rebalance_wanted:
+                return
+
+    def digests(self, p):
+        return {sid: sc.partition_digest(p) for sid, sc in self.shards.items()
+                if p in sc.store.partitions}
+
+
+def encode_blocks(layout, values):
+    """``values`` cut into the layout's blocks: (descriptors, frames)."""
+    descs, bufs = [], []
+    flat = values.reshape(-1)
+    for i, key in enumerate(layout.block_keys()):
+        a, b = layout.block_range(i)
+        d, buf = wire.encode_tensor(key, flat[a:b].copy())
+        descs.append(d)
+        bufs.append(bytes(buf))
+    return descs, bufs
+
+
+def init_msg(msg, name, values, opt=SGD):
+    layout = TensorLayout(name, values.dtype.name, values.shape, 4)
+    descs, bufs = encode_blocks(layout, values)
+    return [wire.pack(wire.INIT, descs, msg=msg, opt=opt,
+                      tensors=[{**layout.to_wire(), "init": {"name": "given"}}]), *bufs], layout
+
+
+def push_msg(msg, layout, grad):
+    descs, bufs = encode_blocks(layout, grad)
+    return [wire.pack(wire.PUSH, descs, msg=msg, acks=1), *bufs]
+
+
+def shard_with_state():
+    """A shard core holding one Adam tensor after ten pushes (for checkpoint tests)."""
+    rig = RepRig(("s0",))
+    frames, layout = init_msg(1, "w", np.arange(40, dtype=np.float32), opt=ADAM)
+    rig.client(b"c", frames)
+    rng = np.random.default_rng(0)
+    for m in range(2, 12):
+        rig.client(b"c", push_msg(m, layout, rng.standard_normal(40).astype(np.float32)))
+    return rig.shards["s0"]
+
+
+# ---- optimizer steps through a backend (the numpy backend, CuPy, the kernels as C++) --------
+SPECS = {"sgd": specs.SGD(lr=0.1), "momentum": specs.SGD(lr=0.1, momentum=0.9),
+         "adam": specs.Adam(lr=0.05, betas=(0.9, 0.99), eps=1e-6),
+         "adagrad": specs.Adagrad(lr=0.1, eps=1e-6)}
+STATE = {"sgd": (), "momentum": ("v",), "adam": ("m", "v"), "adagrad": ("h",)}
+NUMPY = backend.NumpyBackend(jit=False)
+
+
+def backend_steps(be, name, w, grads, k):
+    """Step ``w`` (a backend array, in place) once per gradient sum through the backend's step
+    functions, with the hyper-parameters of ``SPECS[name]``; returns the state arrays."""
+    spec = SPECS[name]
+    st = {s: be.xp.zeros(w.size, w.dtype) for s in STATE[name]}
+    for t, g in enumerate(grads, start=1):
+        if name == "sgd":
+            be.sgd_step(w, g, spec.lr)
+        elif name == "momentum":
+            be.momentum_step(w, g, st["v"], k, spec.lr, spec.momentum)
+        elif name == "adam":
+            be.adam_step(w, g, st["m"], st["v"], k, t * k, spec.lr, *spec.betas, spec.eps)
+        else:
+            be.adagrad_step(w, g, st["h"], k, spec.lr, spec.eps)
+    return st
+
+
+def data(n, dtype, steps=3, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(n).astype(dtype)
+    return w, [rng.standard_normal(n).astype(dtype) for _ in range(steps)]
+
+
+# ---- a cluster's state at its end ---------------------------------------------------------
+def cluster_cores(cluster) -> list:
+    """The cores an in-process cluster runs (its broker's and shards'), to check after it
+    stopped; none for a cluster of processes."""
+    cores = [s.core for s in cluster.shard_servers.values()]
+    return cores + ([cluster.broker.core] if cluster.broker is not None else [])
+
+
+def replica_mismatches(cluster, timeout: float = 2.0) -> list[str]:
+    """Replicas of one partition at the same seq must hold the same bytes: the partitions
+    where two live shards say otherwise (asked once, without waiting for catch-ups; nothing
+    where the broker no longer answers or the cluster keeps one replica)."""
+    from gradbus import admin
+    from gradbus.codecs.errors import GradbusError
+    if cluster.replicas < 2 or cluster.url is None:
+        return []
+    try:
+        table = admin.partitions(cluster.url, timeout, curve=cluster.curve)
+        digests = admin.digest(cluster.url, timeout=timeout, curve=cluster.curve)
+    except (GradbusError, TimeoutError, OSError):
+        return []
+    syncing = {p for p, s in enumerate(table.get("syncing", [])) if s}
+    by_p: dict[int, dict[int, set]] = {}
+    for parts in digests.values():
+        for p, (seq, d) in parts.items():
+            if p not in syncing:
+                by_p.setdefault(p, {}).setdefault(seq, set()).add(d)
+    return [f"partition {p}: replicas at seq {seq} differ" for p, seqs in sorted(by_p.items())
+            for seq, ds in seqs.items() if len(ds) > 1]
+
+
+def state_problems(cores) -> list[str]:
+    """What each core's ``validate_state()`` finds broken (broker cores raise RuntimeError,
+    shard cores AssertionError)."""
+    out = []
+    for core in cores:
+        try:
+            core.validate_state()
+        except (AssertionError, RuntimeError) as e:
+            out.append(f"{type(core).__name__} {getattr(core, 'shard_id', '')}: {e}".strip())
+    return out

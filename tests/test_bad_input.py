@@ -131,11 +131,13 @@ def test_cluster_still_serves_after_bad_input(cluster):
         s.close()
     _known_answer(cluster.url, "after_bad")
     st = admin.status(cluster.url)
+    # the cluster is the module's: how many bad frames it saw depends on the tests selected
     assert st["errors"].get("BAD_FRAME", 0) >= 1 and all(s["alive"] for s in st["shards"])
 
 
 def test_header_of_millions_of_containers_is_refused_cheaply():
     import time
+
     from gradbus.codecs.errors import WireError
     h = msgpack.packb({"v": 1, "kind": "heartbeat", "pad": [[]] * 4_000_000})
     t = time.perf_counter()

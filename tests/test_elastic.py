@@ -10,11 +10,10 @@ import gradbus
 from gradbus import admin
 from gradbus.codecs import wire
 from gradbus.codecs.errors import Code
+from gradbus.codecs.partition import partition_of
 from gradbus.shards.core import ShardCore
 
-from .conftest import wait_for
-from .test_replication import RepRig
-from .test_state_machines import init_msg, push_msg, unpack
+from .rigs import RepRig, init_msg, push_msg, unpack, wait_for
 
 LR = 2.0 ** -6
 
@@ -30,7 +29,6 @@ def _value(rig, layout):
     b = rig.broker
     out = []
     for key in layout.block_keys():
-        from gradbus.codecs.partition import partition_of
         p = partition_of(key, 16)
         out.append(rig.shards[b.owners[p]].store.blocks[key].value)
     return np.concatenate(out)
@@ -59,7 +57,9 @@ def test_a_new_shard_gets_a_share_and_moves_keep_every_push():
     for p in moving:
         assert rig.broker.owners[p] == "s1" and rig.broker.epochs[p] == 2
         assert p not in rig.shards["s0"].store.partitions      # dropped at the source
-    assert rig.broker.shards["s1"].bytes > 0 and rig.broker.shards["s0"].bytes < before
+    moved = 16 * sum(partition_of(k, 16) in moving for k in layout.block_keys())  # 16 B a block
+    assert rig.broker.shards["s1"].bytes == moved > 0
+    assert rig.broker.shards["s0"].bytes == before - moved
     for _ in range(2):
         rig.client(b"c", push_msg(m, layout, np.ones(64, np.float32)))
         m += 1
@@ -137,6 +137,7 @@ def test_grow_to_three_shrink_to_two_known_answer_and_digests(make_cluster):
     assert np.array_equal(w_moved, w0 - n_push * LR) and np.array_equal(w_moved, w_static)
     st = admin.status(moving.url)
     alive = sorted(s["id"] for s in st["shards"] if s["alive"])
+    # moves: as many as the rebalancer chose while shards came and went (timing-dependent)
     assert alive == ["shard-1", "shard-2"] and st["counters"]["moves"] > 0
     assert st["counters"]["pushes_applied"] == n_push
     flat = lambda d: {p: v[1] for parts in d.values() for p, v in parts.items()}  # noqa: E731

@@ -3,18 +3,18 @@ seeded message loss (every push applied exactly once)."""
 from __future__ import annotations
 
 import signal
-import time
 
 import numpy as np
 import pytest
 
 import gradbus
 from gradbus import admin
-from gradbus.codecs.partition import partition_of
+from gradbus.codecs.partition import TensorLayout, partition_of
 
-from .conftest import wait_for
+from .rigs import wait_for
 
-FAST_HB = ["--heartbeat-interval", "0.1", "--liveness", "5"]   # 0.5 s liveness window
+FAST_HB = ["--heartbeat-interval", "0.1", "--liveness", "5"]
+WINDOW = 0.1 * 5     # seconds of silence before the broker declares a shard dead
 LR = 2.0 ** -6      # SGD with an exact step: w0 - n * lr * 1 is exact in float32
 
 
@@ -25,7 +25,8 @@ def _cluster(make_cluster, shards=3, broker_extra=()):
 
 def _replicas_agree(url, timeout=20.0):
     """Wait until every partition has its full set of in-sync replicas, then compare the
-    replicas' digests partition by partition; returns how many partitions were compared."""
+    replicas' digests partition by partition; returns how many partitions were compared
+    (those holding data: see _holding)."""
     wait_for(lambda: admin.status(url)["under_replicated"] == 0, timeout, "full replication")
     digests = admin.digest(url)
     by_p: dict[int, dict] = {}
@@ -41,7 +42,7 @@ def _replicas_agree(url, timeout=20.0):
 
 def test_sigkill_primary_mid_run_acks_all_known_answer(make_cluster):
     cluster = _cluster(make_cluster)
-    n, killed_at, w0 = 240, None, np.arange(3000, dtype=np.float32)
+    n, w0 = 240, np.arange(3000, dtype=np.float32)
     with gradbus.connect(cluster.url, block_bytes=4096, resend_after=1.0) as c:
         c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
         g = np.ones_like(w0)
@@ -51,27 +52,44 @@ def test_sigkill_primary_mid_run_acks_all_known_answer(make_cluster):
             if i == n // 3:
                 victim = _owner(cluster.url, "w/0")
                 cluster.kill_shard(victim, signal.SIGKILL)
-                killed_at = time.monotonic()
-                took = _wait_failover(cluster.url, victim)
+                _wait_failover(cluster.url, victim)
         for f in futs:
             assert f.result(30)["kind"] == "ack"          # no push failed or got lost
         w = c.pull(["w"], min_version=n, timeout=30)["w"]
     assert np.array_equal(w, w0 - n * LR), np.abs(w - (w0 - n * LR)).max()
-    assert took - killed_at < 1.0, f"failover took {took - killed_at:.3f}s"
     st = admin.status(cluster.url)
+    # the standby took over because the primary fell silent past the configured window
+    # (0.5 s, half the default): the failover's cause, not its wall time (a loaded machine
+    # stretches the silence; _wait_failover's deadline catches a failover that never comes)
+    assert st["failovers"] and all(f["from"] == victim and f["silent_s"] >= WINDOW
+                                   for f in st["failovers"]), st["failovers"]
+    # failovers: one per partition the victim led when it died, which the start-up moves
+    # (shards joining one by one) may still have been changing when it was picked: at least one
     assert st["counters"]["failovers"] >= 1 and st["counters"]["pushes_applied"] == n
-    assert _replicas_agree(cluster.url) >= 1
+    assert _replicas_agree(cluster.url) == _holding(cluster.url, "w", 3000, 4096)
+
+
+def _partitions(url) -> int:
+    """P, as the broker runs with it."""
+    return admin.status(url)["partitions"]
+
+
+def _holding(url, name, n, block_bytes) -> int:
+    """How many partitions hold the float32 tensor ``name`` of ``n`` values in blocks of
+    ``block_bytes``, with the cluster's P."""
+    layout = TensorLayout(name, "float32", (n,), block_bytes // 4)
+    return len({partition_of(k, _partitions(url)) for k in layout.block_keys()})
 
 
 def _owner(url, key):
     """The primary shard of ``key``'s partition, from the broker's partition table."""
-    return admin.partitions(url)["owners"][partition_of(key, 256)]
+    owners = admin.partitions(url)["owners"]          # indexed by partition: P entries
+    return owners[partition_of(key, len(owners))]
 
 
 def _wait_failover(url, victim):
     def moved():
-        owners = admin.partitions(url, timeout=1.0)["owners"]
-        return time.monotonic() if victim not in owners else None
+        return victim not in admin.partitions(url, timeout=1.0)["owners"]
     return wait_for(moved, 10, "the standby to take over")
 
 
@@ -96,7 +114,8 @@ def test_stalled_primary_is_fenced_on_return_and_rebuilt(make_cluster):
         c.flush(30)
     wait_for(lambda: admin.status(cluster.url)["counters"].get("fenced_partitions", 0) > 0,
              10, "the returning shard to be fenced")
-    assert _replicas_agree(cluster.url) >= 1       # rebuilt as a standby, bit-identical
+    # rebuilt as a standby, bit-identical
+    assert _replicas_agree(cluster.url) == _holding(cluster.url, "w", 2000, 4096)
 
 
 @pytest.mark.parametrize("acks", [1, "all"])
@@ -114,9 +133,10 @@ def test_seeded_message_drop_every_push_applied_exactly_once(make_cluster, acks)
     assert np.array_equal(w, w0 - n * LR)
     st = admin.status(cluster.url)
     cnt = st["counters"]
+    # seeded, but drawn per message, and resends (timing) add messages: some, not a number
     assert cnt.get("fault_dropped_pushes", 0) + cnt.get("fault_dropped_acks", 0) > 0
     assert resends > 0 and cnt["pushes_applied"] == n
-    assert _replicas_agree(cluster.url) >= 1
+    assert _replicas_agree(cluster.url) == _holding(cluster.url, "w", 1000, 1024)
 
 
 def test_embedding_rows_survive_a_sigkilled_primary(make_cluster):
@@ -140,6 +160,6 @@ def test_embedding_rows_survive_a_sigkilled_primary(make_cluster):
         got = c.pull_rows("rows", ids)
     np.testing.assert_array_equal(got, np.full((len(ids), 4), -n * LR, np.float32))
     st = admin.status(cluster.url)
-    assert st["counters"]["failovers"] >= 1
+    assert st["counters"]["failovers"] >= 1          # as above: the victim's share, not fixed
     assert st["tables"][0]["rows"] == len(ids)
-    assert _replicas_agree(cluster.url) == 256
+    assert _replicas_agree(cluster.url) == _partitions(cluster.url)   # rows on all

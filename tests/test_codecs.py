@@ -18,8 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradbus.codecs import tensor
-from gradbus.codecs import wire
+from gradbus.codecs import tensor, wire
 from gradbus.codecs.errors import Code, WireError
 
 SETTINGS = settings(max_examples=120, deadline=None, database=None,

@@ -18,6 +18,7 @@ import threading
 import time
 
 import pytest
+
 from gradbus.codecs import security
 
 from .child import in_child
@@ -69,10 +70,10 @@ def refused_workload(url: str, secret: str, server_key: str, forced: bool) -> No
     times as it comes."""
     import zmq
     from click.testing import CliRunner
-    from gradbus.codecs import net
 
     from gradbus import admin
     from gradbus.cli import main
+    from gradbus.codecs import net
     dropped = drop_pipe_after_connect() if forced else None
     curve = security.Curve.from_files(secret, server_key)
     ctx = zmq.Context.instance()
@@ -97,10 +98,10 @@ def garbage_workload(url: str) -> None:
     project's timeout errors (or, where libzmq read the garbage as another security
     mechanism, SecurityError)."""
     import zmq
-    from gradbus.codecs import net
-    from gradbus.codecs.errors import GradbusError
 
     from gradbus import admin
+    from gradbus.codecs import net
+    from gradbus.codecs.errors import GradbusError
     dropped = drop_pipe_after_connect()
     ctx = zmq.Context.instance()
     _expect_error(lambda: admin.status(url, TIMEOUT), GradbusError, "could not send",
@@ -115,10 +116,10 @@ def silent_workload(url: str) -> None:
     """Against a listener that accepts and says nothing: the pipe stays, the request is
     queued, and the wait for the reply times out."""
     import zmq
-    from gradbus.codecs import net
-    from gradbus.codecs.errors import GradbusError
 
     from gradbus import admin
+    from gradbus.codecs import net
+    from gradbus.codecs.errors import GradbusError
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.connect(url)

@@ -31,8 +31,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradbus.codecs import tensor
-from gradbus.codecs import wire
+from gradbus.codecs import tensor, wire
 from gradbus.codecs.errors import Code, WireError
 
 CAP = 1 << 20

@@ -127,7 +127,8 @@ def chaos(cluster: Cluster, rng: random.Random, stop: threading.Event, mean_gap:
         t0 = time.monotonic()
         proc.send_signal(signal.SIGKILL if kind == "kill_shard" else signal.SIGSTOP)
         try:
-            t1 = cluster.wait(lambda: (o := _owners(cluster.url)) is not None and sid not in o)
+            t1 = cluster.wait(
+                lambda sid=sid: (o := _owners(cluster.url)) is not None and sid not in o)
             out["failover_s"].append(t1 - t0)
         finally:
             if kind == "kill_shard":

@@ -11,8 +11,15 @@ import numpy as np
 from gradbus.codecs import specs, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError
-from gradbus.codecs.partition import (MAX_NAME_LEN, TensorLayout, partition_of, row_partitions,
-                                      split_key, split_row_key, table_partitions)
+from gradbus.codecs.partition import (
+    MAX_NAME_LEN,
+    TensorLayout,
+    partition_of,
+    row_partitions,
+    split_key,
+    split_row_key,
+    table_partitions,
+)
 
 from .settings import MAX_BLOCKS_PER_TENSOR, MAX_PARAM_BYTES
 

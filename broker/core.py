@@ -45,9 +45,21 @@ from .reads import Reads
 from .rebalance import Rebalance
 from .recovery import Recovery
 from .sequencer import Sequencer
-from .settings import (DEDUPE_WINDOW, MAX_BATCH_BYTES, MAX_BLOCKS_PER_TENSOR,  # noqa: F401
-                       MAX_PARAM_BYTES, MAX_PARKED_READS, MAX_PENDING_BYTES, MAX_SYNC_BYTES,
-                       MAX_SYNCS, MIN_GAIN, MOVE_PACE, RATE_TAU, SHARD_CREDIT, Settings)
+from .settings import (  # noqa: F401
+    DEDUPE_WINDOW,
+    MAX_BATCH_BYTES,
+    MAX_BLOCKS_PER_TENSOR,
+    MAX_PARAM_BYTES,
+    MAX_PARKED_READS,
+    MAX_PENDING_BYTES,
+    MAX_SYNC_BYTES,
+    MAX_SYNCS,
+    MIN_GAIN,
+    MOVE_PACE,
+    RATE_TAU,
+    SHARD_CREDIT,
+    Settings,
+)
 from .settlement import Pending, Settlement
 
 log = logging.getLogger("gradbus.broker")

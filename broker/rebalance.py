@@ -148,7 +148,7 @@ class Rebalance:
 
     def release_standby(self, p: int, s) -> list:
         self.table.drop_standby(p, s)
-        for (bp, seq), b in list(self.sequencer.inflight.items()):
+        for (bp, _seq), b in list(self.sequencer.inflight.items()):
             if bp == p and s.id in b.waiting:
                 b.waiting.discard(s.id)
         self.table.bump()

@@ -69,7 +69,7 @@ class Sequencer:
         refs = []
         for key in [k for k in self.inflight if k[0] == p]:
             refs += self.inflight.pop(key).refs
-        for entry, raw, fr, ref in self.pending_entries.pop(p, []):
+        for _entry, _raw, fr, ref in self.pending_entries.pop(p, []):
             if fr is not None:
                 self.pending_bytes -= wire.frame_len(fr)
             refs.append(ref)
@@ -123,7 +123,7 @@ class Sequencer:
                     break
                 entries = self.pending_entries[p]
                 take = 0
-                for entry, raw, fr, ref in entries:
+                for _entry, _raw, fr, _ref in entries:
                     size = wire.frame_len(fr) if fr is not None else 0
                     if take and nbytes + size > max_bytes:
                         break

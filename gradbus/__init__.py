@@ -9,12 +9,18 @@ array([-0.5, -0.5, -0.5, -0.5], dtype=float32)
 """
 __version__ = "0.1.0"
 
-from gradbus.codecs.errors import (BackPressureError, BrokerUnavailableError,  # noqa: E402
-                                   ClosedError, GradbusError, SecurityError,
-                                   ShardUnavailableError, StaleError, UnknownKeyError)
+from gradbus.codecs.errors import (  # noqa: E402
+    BackPressureError,
+    BrokerUnavailableError,
+    ClosedError,
+    GradbusError,
+    SecurityError,
+    ShardUnavailableError,
+    StaleError,
+    UnknownKeyError,
+)
 from gradbus.codecs.security import Curve  # noqa: E402
-from gradbus.codecs.specs import (FTRL, SGD, Adagrad, Adam, Constant, Normal,  # noqa: E402
-                                  Uniform, Zeros)
+from gradbus.codecs.specs import FTRL, SGD, Adagrad, Adam, Constant, Normal, Uniform, Zeros  # noqa: E402
 from gradbus.workers.client import Client, connect  # noqa: E402
 
 __all__ = ["connect", "Client", "SGD", "Adam", "Adagrad", "FTRL", "Zeros", "Constant", "Normal",

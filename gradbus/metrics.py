@@ -11,12 +11,11 @@ reference. So a scrape never touches the loop's live state and never slows the h
 from __future__ import annotations
 
 import threading
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
-                                    HistogramMetricFamily)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import make_wsgi_app
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 
 class _Quiet(WSGIRequestHandler):

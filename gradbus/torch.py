@@ -164,7 +164,8 @@ def _cupy_view(g: torch.Tensor, chain: str, client):
     """A CuPy array on ``g``'s device memory (no copy) when the SDK can encode ``chain`` on the
     device; None otherwise (no CuPy, a value coder not done on the device, local accumulation
     on)."""
-    from gradbus.codecs import device, tensor as tcodec
+    from gradbus.codecs import device
+    from gradbus.codecs import tensor as tcodec
     if (tcodec.parse_stages(chain).coder not in device.DEVICE_CODERS
             or client._acc_every > 1 or client._acc_threshold is not None):
         return None

@@ -85,7 +85,7 @@ class Replication:
             scalars = {k: v for k, v in blk.state.items() if isinstance(v, (int, float))}
             metas.append({"key": key, "layout": blk.layout.to_wire(), "opt": blk.opt,
                           "version": blk.version, "arrays": arrays, "scalars": scalars})
-            for name, arr in [("", blk.value)] + [(a, blk.state[a]) for a in arrays]:
+            for _name, arr in [("", blk.value)] + [(a, blk.state[a]) for a in arrays]:
                 d, buf = wire.encode_tensor(key, host_copy(self.backend, arr), "raw")
                 descs.append(d)
                 bufs.append(buf)

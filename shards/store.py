@@ -12,7 +12,6 @@ from gradbus.codecs.partition import TensorLayout, split_key, split_row_key
 from .optim import CPU, make_rule
 from .rows import RowPool, RowTable
 
-
 RECENT_WINDOW = 8192     # gradient identities remembered per partition
 
 

@@ -27,8 +27,14 @@ import zmq
 
 from gradbus.codecs import device, net, security, specs, wire
 from gradbus.codecs import tensor as tcodec
-from gradbus.codecs.errors import (BrokerUnavailableError, ClosedError, Code, GradbusError,
-                                   ShardUnavailableError, error_from)
+from gradbus.codecs.errors import (
+    BrokerUnavailableError,
+    ClosedError,
+    Code,
+    GradbusError,
+    ShardUnavailableError,
+    error_from,
+)
 from gradbus.codecs.partition import DEFAULT_BLOCK_BYTES, TensorLayout, block_elems_for
 
 from .agent import Agent

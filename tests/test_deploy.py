@@ -13,7 +13,9 @@ No container runs here. Each file is parsed and checked against the code:
 * CURVE: every process has a whole key pair from a mounted secret, the broker's allow
   directory holds the public key of each of them, and each holds the broker's public key;
 * the image: multi-stage, slim base, ``ENTRYPOINT ["gradbus"]`` (the console script),
-  a non-root user, a healthcheck that is a gradbus command line, no compiler installed;
+  a non-root user, a healthcheck that is a gradbus command line, no compiler installed, and
+  nothing only BuildKit understands (no ``# syntax=`` directive, no ``RUN --mount``), so the
+  classic builder builds it too, with no registry;
 * the Grafana dashboard queries only metrics the scraped processes export.
 
 Paths in command lines. Parsing opens one file: ``--config`` (click checks that it exists,
@@ -350,11 +352,22 @@ def check_dockerfile(text: str) -> list[str]:
     if not any("pip wheel" in r and ".[demo]" in r for st in stages[:-1]
                for r in _instr(st, "RUN")):
         out.append("no builder stage builds wheels of the project with the demo extra")
-    installs = [r for r in _instr(final, "RUN") if "pip install" in r]
-    if not any("--no-index" in r and "--only-binary=:all:" in r and "gradbus[demo]" in r
-               and any(f"from={b}" in r for b in builders) for r in installs):
-        out.append("the final stage does not install gradbus[demo] from the builder's wheels "
-                   "only (--no-index --only-binary=:all:)")
+    # a builder installs gradbus[demo] from its wheels only into a virtual environment, which
+    # the final stage copies whole to the same path and puts first on PATH
+    envs = {v for st in stages[:-1] if st["name"] in builders for r in _instr(st, "RUN")
+            for v in re.findall(r"-m venv (\S+)", r)
+            if any(f"{v}/bin/pip install" in r and "--no-index" in r
+                   and "--only-binary=:all:" in r and "gradbus[demo]" in r
+                   for r in _instr(st, "RUN"))}
+    copied = {v for c in _instr(final, "COPY") for b in builders for v in envs
+              if c.split() == [f"--from={b}", v, v]}
+    path = " ".join(_instr(final, "ENV"))
+    if not any(re.search(rf"PATH={re.escape(v)}/bin[:\s]", path) for v in copied):
+        out.append("the final stage does not copy a builder's environment holding gradbus[demo] "
+                   "from the builder's wheels only (--no-index --only-binary=:all:) onto PATH")
+    if any("pip install" in r for r in _instr(final, "RUN")):
+        out.append("the final stage runs pip install: it copies the builder's environment")
+    out += check_classic_builder(text, stages)
     for r in _instr(final, "RUN"):
         found = set(re.findall(r"[\w+.-]+", r)) & COMPILERS
         if found:
@@ -384,6 +397,38 @@ def check_dockerfile(text: str) -> list[str]:
             out.append(f"HEALTHCHECK {hc}: {e.format_message()}")
     if not _instr(final, "VOLUME"):
         out.append("no VOLUME for checkpoints")
+    return out
+
+
+#: the flags the classic builder knows, per instruction (every other one needs BuildKit)
+CLASSIC_FLAGS = {"RUN": (), "COPY": ("--from=", "--chown="), "ADD": ("--chown=",),
+                 "FROM": ("--platform=",)}
+
+
+def check_classic_builder(text: str, stages: list[dict]) -> list[str]:
+    """Nothing that only BuildKit understands: no ``# syntax=`` directive (BuildKit pulls that
+    frontend image from a registry for every build), no ``RUN --mount`` or other RUN flags, no
+    COPY/ADD flags but ``--from``/``--chown``, no heredocs."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip().startswith("#"):
+            break                  # parser directives come before anything else
+        if re.fullmatch(r"#\s*syntax\s*=.*", line.strip(), re.IGNORECASE):
+            out.append(f"{line.strip()!r}: a frontend image to pull (BuildKit only)")
+    for st in stages:
+        for kw, rest in st["instr"]:
+            if kw not in CLASSIC_FLAGS:
+                continue
+            flags = []
+            for word in rest.split():
+                if not word.startswith("--"):
+                    break
+                flags.append(word)
+            bad = [f for f in flags if not f.startswith(CLASSIC_FLAGS[kw])]
+            if bad:
+                out.append(f"{kw} {' '.join(bad)}: not understood by the classic builder")
+            if re.search(r"<<-?[\"']?\w+", rest) and kw != "FROM":
+                out.append(f"{kw} with a heredoc: not understood by the classic builder")
     return out
 
 
@@ -926,7 +971,18 @@ def test_dockerfile_checks_catch_problems():
         "bad healthcheck": good.replace('"status", "--timeout", "2"', '"status", "--tmeout"'),
         "one stage": "FROM python:3.12-slim\nUSER 1\nENTRYPOINT [\"gradbus\"]\n",
         "fat base": good.replace("python:3.12-slim-bookworm", "python:3.12"),
+        "syntax directive": "# syntax=docker/dockerfile:1\n" + good,
+        "RUN --mount": good.replace("RUN groupadd", "RUN --mount=type=cache,target=/x groupadd"),
+        "COPY --link": good.replace("COPY --from=builder", "COPY --link --from=builder"),
+        "heredoc": good.replace("USER 10001:10001", "RUN <<EOF\ntrue\nEOF\nUSER 10001:10001"),
+        "env not copied": good.replace("COPY --from=builder /opt/gradbus /opt/gradbus", ""),
+        "env not on PATH": good.replace("PATH=/opt/gradbus/bin:$PATH", "PATH=$PATH"),
+        "env from the index": good.replace("--no-index ", ""),
+        "pip in the final stage": good.replace("USER 10001:10001",
+                                               "RUN pip install gradbus\nUSER 10001:10001"),
     }
+    for what, text in broken.items():
+        assert text != good, what
     for what, text in broken.items():
         assert check_dockerfile(text) != [], what
 

@@ -1,4 +1,4 @@
-"""The deployment files: docker/Dockerfile, .dockerignore, docker/docker-compose.yml,
+"""The deployment files: docker/Dockerfile, .dockerignore, docker/docker-compose.yml, docker/.env,
 docker/prometheus.yml, docker/grafana/ and docker/k8s/.
 
 No container runs here. Each file is parsed and checked against the code:
@@ -16,6 +16,8 @@ No container runs here. Each file is parsed and checked against the code:
   a non-root user, a healthcheck that is a gradbus command line, no compiler installed, and
   nothing only BuildKit understands (no ``# syntax=`` directive, no ``RUN --mount``), so the
   classic builder builds it too, with no registry;
+* the compose file runs on Compose 1.29 (no top-level ``name``; the project name is in
+  docker/.env) and v2;
 * the Grafana dashboard queries only metrics the scraped processes export.
 
 Paths in command lines. Parsing opens one file: ``--config`` (click checks that it exists,
@@ -42,6 +44,8 @@ import pathlib
 import posixpath
 import re
 import shlex
+import shutil
+import subprocess
 from unittest import mock
 
 import click
@@ -575,6 +579,27 @@ def check_compose(doc: dict, procs: list[Proc], prom: dict) -> list[str]:
     return out
 
 
+#: the top-level keys Compose 1.29 (Debian's docker-compose) accepts; Compose v2 accepts these
+#: too (and ``name``, which 1.29 rejects)
+COMPOSE_V1_TOP = {"version", "services", "networks", "volumes", "secrets", "configs"}
+ENV_FILE = DOCKER / ".env"
+
+
+def check_compose_versions(doc: dict, env_text: str) -> list[str]:
+    """The compose file runs on Compose 1.29 and v2 alike, under the project name gradbus."""
+    out = [f"top-level {k!r}: Compose 1.29 rejects it" for k in doc
+           if k not in COMPOSE_V1_TOP and not k.startswith("x-")]
+    if "name" in doc:
+        out.append("the project name belongs in docker/.env (COMPOSE_PROJECT_NAME), which "
+                   "both versions read")
+    env = dict(line.split("=", 1) for line in env_text.splitlines()
+               if line.strip() and not line.lstrip().startswith("#"))
+    if env.get("COMPOSE_PROJECT_NAME") != "gradbus":
+        out.append(f"docker/.env: COMPOSE_PROJECT_NAME is {env.get('COMPOSE_PROJECT_NAME')}, "
+                   "not gradbus")
+    return out
+
+
 # -- Grafana -----------------------------------------------------------------------------------
 
 def exported_metrics() -> dict[str, str]:
@@ -951,6 +976,20 @@ def test_compose_uses_the_config_file_and_the_image(compose_doc, procs):
             assert config.loaded(p.ctx).path == str((DOCKER / "gradbus.toml").resolve()), p.where
     prom = compose_doc["services"]["prometheus"]
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
+
+
+def test_compose_runs_on_compose_1_29_and_v2(compose_doc):
+    assert check_compose_versions(compose_doc, ENV_FILE.read_text()) == []
+    named = dict(compose_doc, name="gradbus")
+    assert check_compose_versions(named, ENV_FILE.read_text()) != []
+    assert check_compose_versions(compose_doc, "COMPOSE_PROJECT_NAME=docker\n") != []
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no docker-compose here")
+def test_docker_compose_1_validates_the_file():
+    r = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"],
+                       check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
 
 
 # -- the image -------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from gradbus.codecs.errors import Code
 
 log = logging.getLogger("gradbus.broker")
 
+MAX_LOGGED = 1024    # distinct refusals logged; past that they are still counted, not logged
+
 
 class Admission:
     def __init__(self, errors):
@@ -19,7 +21,7 @@ class Admission:
         self._logged: set[tuple] = set()  # (what, ...) refusals logged once
 
     def _once(self, key: tuple, msg: str, *args) -> None:
-        if key not in self._logged:
+        if key not in self._logged and len(self._logged) < MAX_LOGGED:
             self._logged.add(key)
             log.warning(msg, *args)
 
@@ -59,3 +61,7 @@ class Admission:
         self._once(("register", s.id, identity), "refused a register from %r: %s",
                    identity[:32], msg)
         return msg
+
+    def validate_state(self) -> list[str]:
+        return [f"{len(self._logged)} refusals remembered as logged, more than the "
+                f"{MAX_LOGGED} bound"] if len(self._logged) > MAX_LOGGED else []

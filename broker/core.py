@@ -447,7 +447,8 @@ class BrokerCore:
         broken."""
         problems = []
         for part in (self.members, self.table, self.catalog, self.sequencer, self.settlement,
-                     self.consistency, self.rebalance, self.recovery, self.acked):
+                     self.consistency, self.rebalance, self.recovery, self.acked,
+                     self.admission):
             problems += part.validate_state()
         if problems:
             raise RuntimeError("; ".join(problems))

@@ -224,8 +224,9 @@ def test_batches_are_logged_before_they_go_out_and_the_core_does_no_log_io(tmp_p
 
 def test_a_returning_sole_owner_is_rebuilt_from_the_log_handed_over_with_its_register(
         tmp_path):
-    """The core asks for its log (ReadLog) instead of reading it; fed the index, it replays
-    what the shard lost."""
+    """The core asks for its log (ReadLog) instead of reading it (not for a REGISTER that would
+    take over the live shard's id from another connection); fed the index, it replays what the
+    shard lost."""
     rig = Rig(("s0",), log_fsync="never")
     lg = ulog.UpdateLog(str(tmp_path), "never")
     b = rig.broker
@@ -244,6 +245,9 @@ def test_a_returning_sole_owner_is_rebuilt_from_the_log_handed_over_with_its_reg
         deliver_logging(b.flush(0.0))
     rig.shards["s0"] = ShardCore("s0")                    # restarted with nothing
     reg = [wire.pack(wire.REGISTER, shard="s0", **rig.shards["s0"].register_fields())]
+    out = b.on_backend(b"x", reg, 0.0)    # its id from another connection: refused, no log read
+    assert [type(a) for a in out] == [ToShard] and unpack(out[0].frames[0])["code"] == \
+        "SHARD_ID_IN_USE"
     out = b.on_backend(b"s0", reg, 0.0)
     assert out == [ReadLog(b"s0", reg)]                   # asks; reads nothing itself
     lg.close()

@@ -1,7 +1,7 @@
 """What shards say, and what it changes across the components: a registration (a new shard,
 a returning one, copies adopted, fenced, or bringing a lost partition back; a takeover of a
-live shard's id refused), APPLIED (publishes, versions, settlement), a
-catch-up's state and its end, and a shard's death (failover, failed work)."""
+live shard's id refused), APPLIED (publishes, versions, settlement), a catch-up's state and its
+end, and a shard's death (failover, failed work)."""
 from __future__ import annotations
 
 import logging

@@ -69,7 +69,9 @@ mkdir -p "$work/docker/keys"
 cp -r "$here/docker-compose.yml" "$here/gradbus.toml" "$here/prometheus.yml" "$here/grafana" \
   "$work/docker/"
 docker run --rm --user 0 --entrypoint sh -v "$work/docker/keys:/keys" "$image" -c \
-  'for n in broker shard worker; do gradbus keys generate /keys --name $n >/dev/null; done
+  'gradbus keys generate /keys --name broker --role operator >/dev/null
+   gradbus keys generate /keys --name shard --role shard >/dev/null
+   gradbus keys generate /keys --name worker --role client >/dev/null
    chown 10001:10001 /keys/*.key_secret' || fail "could not make the key pairs"
 
 services=(broker shard-0 shard-1 shard-2 worker-0 worker-1)

@@ -1193,3 +1193,41 @@ def test_k8s_config_map_is_the_docker_config(k8s, tmp_path):
     (tmp_path / "gradbus.toml").write_text(text)
     assert config.load(str(tmp_path / "gradbus.toml")).values == \
         config.load(str(DOCKER / "gradbus.toml")).values
+
+
+# ---- CURVE key roles in the deployment examples -------------------------------------------------
+
+_KEY_ROLES = {"broker": "operator", "shard": "shard", "worker": "client"}
+
+
+def key_generation_problems(text: str, where: str) -> list[str]:
+    """Every ``gradbus keys generate .../keys --name N`` for the deployment examples' three keys
+    gives N its role (the broker's own key is an operator's there: ops commands and the
+    healthcheck in its container connect with it)."""
+    import re
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"keys generate \S*/keys --name (\w+)(.*)", line)
+        if not m or m.group(1) not in _KEY_ROLES:
+            continue
+        roles = re.findall(r"--role (\w+)", m.group(2))
+        if roles != [_KEY_ROLES[m.group(1)]]:
+            out.append(f"{where}: {m.group(1)} key made with roles {roles}, "
+                       f"want [{_KEY_ROLES[m.group(1)]!r}]")
+    return out
+
+
+def test_deployment_keys_are_made_with_their_roles():
+    files = [DOCKER / "docker-compose.yml", DOCKER / "k8s" / "secret.yaml", DOCKER / "smoke.sh",
+             ROOT / "README.md", ROOT / "docs" / "operations.md"]
+    import re
+    problems = []
+    for f in files:
+        text = f.read_text()
+        # the three keys, once in each of the five places
+        assert len(re.findall(r"keys generate \S*/keys --name (?:broker|shard|worker)\b",
+                              text)) == 3, f.name
+        problems += key_generation_problems(text, f.name)
+    assert problems == []
+    assert key_generation_problems("gradbus keys generate docker/keys --name worker", "x") == [
+        "x: worker key made with roles [], want ['client']"]

@@ -1,6 +1,7 @@
 """What shards say, and what it changes across the components: a registration (a new shard,
-a returning one, copies adopted or fenced), APPLIED (publishes, versions, settlement), a
-catch-up's state and its end, and a shard's death (failover, failed work)."""
+a returning one, copies adopted, fenced, or bringing a lost partition back; a takeover of a
+live shard's id refused), APPLIED (publishes, versions, settlement), a catch-up's state and its
+end, and a shard's death (failover, failed work)."""
 from __future__ import annotations
 
 import logging
@@ -21,6 +22,7 @@ class ShardEvents:
         self.members, self.table, self.catalog = c.members, c.table, c.catalog
         self.sequencer, self.settlement, self.reads = c.sequencer, c.settlement, c.reads
         self.rebalance, self.recovery = c.rebalance, c.recovery
+        self.acked, self.admission = c.acked, c.admission
 
     def _table_msg(self) -> Publish:
         return Publish(self.table.message())
@@ -35,6 +37,10 @@ class ShardEvents:
             self.meters.errors[Code.BAD_FIELD.value] += 1
             return [ToShard(identity, [wire.error(Code.BAD_FIELD,
                                                   "register: bad shard id or holds")])]
+        refused = self.admission.register_refusal(self.members.shards.get(sid), identity, now,
+                                                  self.settings.shard_deadline)
+        if refused is not None:      # the live shard keeps its id and its partitions
+            return [ToShard(identity, [wire.error(Code.SHARD_ID_IN_USE, refused)])]
         holds = {p: (epoch, seq) for p, epoch, seq in held}
         rec, tb = self.recovery, self.table
         if holds or h.get("rejoin") is True:
@@ -57,6 +63,8 @@ class ShardEvents:
             # log holds them from the start; one that comes back behind is brought up to date.
             own_log: list = []        # this broker's log, read once for all its partitions
             for p in list(s.partitions):
+                if p in tb.lost and p in holds and self._revive(s, p, holds[p], own_log):
+                    continue
                 if tb.owners[p] == sid and p not in holds:
                     if rec.replay_own_log(p, 0, own_log):
                         tb.lost.discard(p)
@@ -74,6 +82,8 @@ class ShardEvents:
         for p in sorted(holds):
             if tb.owners[p] == sid:
                 continue            # its only copy: it comes back with its data
+            if p in tb.lost and self._revive(s, p, holds[p], None, held_bytes.get(p, 0)):
+                continue            # a copy of a lost partition, new enough: it takes it
             if not self._adopt(s, p, holds[p], held_bytes.get(p, 0)):
                 drop.append(p)      # failed over while it was away, or older: fenced
         for other, p in rec.pending_drops:   # copies a newer registration replaced
@@ -96,6 +106,12 @@ class ShardEvents:
         actions.append(self._table_msg())
         return actions
 
+    def takes_over(self, identity: bytes, h: dict, now: float) -> bool:
+        """A REGISTER of a known shard's id (``h["shard"]``) that would be refused
+        SHARD_ID_IN_USE (see :meth:`~.admission.Admission.takes_over`)."""
+        return self.admission.takes_over(self.members.shards.get(h["shard"]), identity, now,
+                                         self.settings.shard_deadline)
+
     def _adopt(self, s, p: int, state: tuple, nbytes: int) -> bool:
         """Whether a registering shard's copy of partition p (at ``state`` = (epoch, seq))
         becomes a replica: taken as the primary when this broker never placed p, as an in-sync
@@ -110,6 +126,7 @@ class ShardEvents:
             if seq:
                 sq.published_seq[p] = seq
             rec.adopted[p] = state
+            self.acked.note(p, *state)
             tb.set_bytes(p, nbytes)
             self.meters.counters["partitions_adopted"] += 1
             rec.schedule_replay(p, seq)
@@ -122,12 +139,31 @@ class ShardEvents:
             return True
         if state > known:      # newer than the copy adopted first: it takes over
             rec.adopted[p] = state
+            self.acked.note(p, *state)
             sq.seq[p] = seq
             sq.published_seq[p] = seq
             for sid in tb.take_over(s, p, epoch):
                 rec.pending_drops.append((sid, p))
             return True
         return False
+
+    def _revive(self, s, p: int, state: tuple, own_log: list | None, nbytes: int = 0) -> bool:
+        """A lost partition comes back on a registering shard whose copy (at ``state``) holds
+        everything acknowledged for it, or (its old owner) one this broker's update log brings
+        up to date from there. The copy becomes the primary; an old owner that lost it lets it
+        go."""
+        epoch, seq = state
+        if not self.acked.covers(p, state):
+            if own_log is None or not self.recovery.replay_own_log(p, seq, own_log):
+                log.warning("shard %s holds lost partition %d at seq %d: too old (%s)", s.id, p,
+                            seq, self.acked.lost_message(p))
+                return False
+        self.table.revive(s, p, epoch, nbytes)
+        sq = self.sequencer
+        sq.seq[p] = max(sq.seq[p], seq)
+        self.meters.counters["partitions_revived"] += 1
+        log.info("partition %d is back on shard %s (epoch %d, seq %d)", p, s.id, epoch, seq)
+        return True
 
     # ------------------------------------------------------------------ applied
     def applied(self, s, h: dict, frames: list, now: float) -> list:

@@ -214,9 +214,7 @@ class Catalog:
             for i, key in enumerate(layout.block_keys()):
                 p = partition_of(key, self.P)
                 if not table.available(p):
-                    raise WireError(Code.SHARD_UNAVAILABLE,
-                                    f"{key}: partition {p} has no live shard "
-                                    f"(owner {table.owners[p]})")
+                    table.live_owner(key, p)     # raises: lost, or its owner is not live
                 g = None
                 if rule["name"] == "given":
                     g = given.get(key)

@@ -18,6 +18,10 @@ Components (each with a ``validate_state()``):
 * :mod:`.rebalance` -- catch-ups, moves, drain, hand-overs;
 * :mod:`.recovery` -- restart, log replay, the update log's write policy;
 * :mod:`.backend` -- what shards say (registration, APPLIED, death) across the components;
+* :mod:`.acked` -- per partition the newest (epoch, seq) answered for (what brings a lost
+  partition back);
+* :mod:`.admission` -- who may say what: the CURVE roles each message needs, REGISTERs that
+  would take over a live shard's id;
 * :mod:`.status` -- read-only status and metrics.
 
 Tensor frames are passed through as the objects the loop received (``zmq.Frame`` with
@@ -34,7 +38,9 @@ from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS, row_key, split_key, table_partitions
 
 from . import status as _status
+from .acked import AckMarks
 from .actions import AckClient, Acked, Adopt, Publish, ReadLog, ToClient, ToShard
+from .admission import Admission
 from .backend import ShardEvents
 from .catalog import Catalog
 from .consistency import Consistency
@@ -84,24 +90,27 @@ class BrokerCore:
         self.last_hb_sent = now
         self.meters = m = Meters()
         self.members = Membership(s)
-        self.table = PartitionTable(partitions, s.replicas, self.members.shards)
+        self.acked = AckMarks(partitions)      # p -> the newest (epoch, seq) answered for
+        self.admission = Admission(m.errors)   # roles per message, register takeovers
+        self.table = PartitionTable(partitions, s.replicas, self.members.shards,
+                                    self.acked.lost_message)
         self.catalog = Catalog(partitions, s, m, lambda what, known:
                                self.recovery.check_recovering(what, known))
         self.consistency = Consistency(s, m, self.members)
         self.sequencer = Sequencer(partitions, s, m, self.table, self.members)
         self.recovery = Recovery(s, m, self.members, self.table, self.catalog, self.sequencer,
-                                 replay, now)
+                                 self.acked, replay, now)
         self.reads = Reads(partitions, s, m, self.members, self.table, self.catalog,
                            self.sequencer, self.consistency)
         self.settlement = Settlement(s, m, self.members, self.catalog, self.table,
-                                     self.sequencer, self.reads.wake)
+                                     self.sequencer, self.acked, self.reads.wake)
         self.rebalance = Rebalance(partitions, s, m, self.members, self.table, self.sequencer,
                                    self.settlement, now)
         self.shard_events = ShardEvents(self)
         # the containers tests and tools read, by their old names (the same objects)
         tb, sq, rb = self.table, self.sequencer, self.rebalance
         self.owners, self.standbys, self.syncing = tb.owners, tb.standbys, tb.syncing
-        self.epochs, self.pbytes = tb.epochs, tb.pbytes
+        self.epochs, self.pbytes, self.lost = tb.epochs, tb.pbytes, tb.lost
         self.shards, self.clients = self.members.shards, self.members.clients
         self.counters, self.errors = m.counters, m.errors
         self.seq, self.published_seq = sq.seq, sq.published_seq
@@ -149,8 +158,21 @@ class BrokerCore:
             out.append(AckClient(client, [wire.pack(wire.ACK, **fields)], tuple(msgs)))
         return out
 
+    def _forbidden(self, identity: bytes, h: dict, roles, backend: bool):
+        """The FORBIDDEN reply to a message whose sender's CURVE ``roles`` (None: CURVE off)
+        do not permit its kind, or None when it may be acted on: the one role check, for both
+        sockets, before any component sees the message."""
+        refused = self.admission.role_refusal(roles, backend, h["kind"])
+        if refused is None:
+            return None
+        if backend:
+            return ToShard(identity, [wire.error(Code.FORBIDDEN, refused)])
+        ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
+        return ToClient(identity, [wire.error(Code.FORBIDDEN, refused, **ids)])
+
     # ------------------------------------------------------------------ frontend
-    def on_frontend(self, identity: bytes, frames: list, now: float) -> list:
+    def on_frontend(self, identity: bytes, frames: list, now: float, roles=None) -> list:
+        """``roles``: the sender's CURVE key's roles (None with CURVE off)."""
         self.meters.counters["frontend_msgs"] += 1
         self.now = self.settlement.now = self.recovery.now = now
         if not frames:
@@ -160,6 +182,9 @@ class BrokerCore:
             h = wire.unpack_header(frames[0], wire.FRONTEND_KINDS)
         except WireError as e:
             return [self.meters.err(identity, e.code, str(e.args[0]))]
+        refused = self._forbidden(identity, h, roles, False)
+        if refused is not None:
+            return [refused]
         kind = h["kind"]
         if kind == wire.HELLO:   # discovery only: registers nobody
             return [ToClient(identity, [wire.pack(wire.WELCOME, events=self.ports["events"],
@@ -324,9 +349,11 @@ class BrokerCore:
                 or self.reads.has_flushable(replaying))
 
     # ------------------------------------------------------------------ backend
-    def on_backend(self, identity: bytes, frames: list, now: float, log_index=None) -> list:
+    def on_backend(self, identity: bytes, frames: list, now: float, log_index=None,
+                   roles=None) -> list:
         """A shard's message. ``log_index``: this broker's update log, read by the loop for a
-        REGISTER the core answered with :class:`~.actions.ReadLog`."""
+        REGISTER the core answered with :class:`~.actions.ReadLog` (its roles were checked
+        when it arrived); ``roles``: the sender's CURVE key's roles (None with CURVE off)."""
         if log_index is None:
             self.meters.counters["backend_msgs"] += 1
         self.now = self.settlement.now = self.recovery.now = now
@@ -338,9 +365,13 @@ class BrokerCore:
         except WireError as e:
             self.meters.errors[e.code.value] += 1
             return [ToShard(identity, [wire.error(e.code, str(e.args[0]))])]
+        refused = self._forbidden(identity, h, roles, True) if log_index is None else None
+        if refused is not None:
+            return [refused]
         kind = h["kind"]
         if kind == wire.REGISTER:
-            if log_index is None and self.recovery.needs_log(h):
+            if (log_index is None and self.recovery.needs_log(h)
+                    and not ev.takes_over(identity, h, now)):   # refused without the log
                 return [ReadLog(identity, frames)]
             self.recovery.log_index = log_index
             try:
@@ -429,7 +460,8 @@ class BrokerCore:
         broken."""
         problems = []
         for part in (self.members, self.table, self.catalog, self.sequencer, self.settlement,
-                     self.consistency, self.rebalance, self.recovery):
+                     self.consistency, self.rebalance, self.recovery, self.acked,
+                     self.admission):
             problems += part.validate_state()
         if problems:
             raise RuntimeError("; ".join(problems))

@@ -42,12 +42,12 @@ class FaultInjector:
             out.append(a)
         return out
 
-    def on_frontend(self, identity: bytes, frames: list, now: float) -> list:
+    def on_frontend(self, identity: bytes, frames: list, now: float, **kw) -> list:
         if self.drop and self._drops_push(frames):
             self.core.counters["frontend_msgs"] += 1
             self.core.counters["fault_dropped_pushes"] += 1
             return []
-        return self.outbound(self.core.on_frontend(identity, frames, now))
+        return self.outbound(self.core.on_frontend(identity, frames, now, **kw))
 
     def on_backend(self, identity: bytes, frames: list, now: float, **kw) -> list:
         return self.outbound(self.core.on_backend(identity, frames, now, **kw))

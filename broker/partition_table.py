@@ -15,8 +15,11 @@ from gradbus.codecs.errors import Code, WireError
 
 
 class PartitionTable:
-    def __init__(self, partitions: int, replicas: int, shards: dict):
+    def __init__(self, partitions: int, replicas: int, shards: dict, lost_message=None):
+        """``lost_message(p)``: why a lost partition p is refused and what would bring it
+        back (the broker's acknowledged marks know)."""
         self.P = partitions
+        self.lost_message = lost_message or (lambda p: f"partition {p} is lost")
         self.replicas = replicas
         self.shards = shards                                      # id -> ShardInfo (membership's)
         self.owners: list[str | None] = [None] * partitions      # primaries
@@ -56,7 +59,9 @@ class PartitionTable:
     def live_owner(self, key: str, p: int) -> str:
         """The live shard owning partition p, or SHARD_UNAVAILABLE."""
         owner = self.owners[p]
-        if p in self.lost or not self.live(owner):
+        if p in self.lost:
+            raise WireError(Code.SHARD_UNAVAILABLE, f"{key}: {self.lost_message(p)}")
+        if not self.live(owner):
             raise WireError(Code.SHARD_UNAVAILABLE,
                             f"{key}: partition {p} has no live shard (owner {owner or 'none'})")
         return owner
@@ -140,6 +145,22 @@ class PartitionTable:
         for sid in old:
             self._leave(self.shards[sid], p)
         return old
+
+    def revive(self, s, p: int, epoch: int, nbytes: int = 0) -> None:
+        """Lost partition p comes back on ``s``, whose copy (sent in ``epoch``) becomes the
+        primary: with the next epoch when it is not the old owner's (which lets it go), and
+        ``nbytes`` (when known) as its bytes."""
+        old = self.owners[p]
+        if old != s.id:
+            if old is not None and old in self.shards:
+                self._leave(self.shards[old], p)
+            self.owners[p] = s.id
+            self.epochs[p] += 1          # a new primary
+            if nbytes:
+                self.pbytes[p] = nbytes
+            self._join(s, p)
+        self.epochs[p] = max(self.epochs[p], epoch, 1)
+        self.lost.discard(p)
 
     def forget(self, s, p: int) -> None:
         """A shard no longer holds p (a stale entry of a returning shard)."""

@@ -46,13 +46,15 @@ class LogPolicy:
 
 
 class Recovery:
-    def __init__(self, settings, meters, members, table, catalog, sequencer, replay, now: float):
+    def __init__(self, settings, meters, members, table, catalog, sequencer, acked, replay,
+                 now: float):
         self.settings = settings
         self.meters = meters
         self.members = members
         self.table = table
         self.catalog = catalog
         self.sequencer = sequencer
+        self.acked = acked                   # replayed batches count as answered for
         self.log_policy = LogPolicy(settings.log_fsync, now) if settings.log_fsync else None
         sequencer.log_policy = self.log_policy      # batches are logged as they go out
         # After a start, keys the broker does not know may be held by shards that have not
@@ -157,6 +159,7 @@ class Recovery:
                 part = {"p": p, "seq": h["seq"], "epoch": self.table.epochs[p], "o": group[0],
                         "e": h["e"]}
                 seq.seq[p] = max(seq.seq[p], h["seq"])
+                self.acked.note(p, self.table.epochs[p], h["seq"])
                 hdr = wire.pack(wire.BATCH, h["t"], parts=[part])
                 if self.log_policy is not None and p not in self.no_relog:
                     self.log_policy.append(actions, [part], h["t"], frames, h["time"], now)

@@ -23,6 +23,7 @@ class Batch:
     waiting: set                   # in-sync replicas (at send time) that have not applied it
     errors: dict | None = None     # entry index -> (code, message), from the first APPLIED
     primary_done: bool = False
+    epoch: int = 0                 # the partition's epoch when it was sent
 
 
 class Sequencer:
@@ -148,7 +149,8 @@ class Sequencer:
                                      "o": primary, "e": ents})
                 self.pcount[p] += len(ents)
                 self.meters.h_batch.observe(len(ents))
-                self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys})
+                self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys},
+                                                        epoch=epochs[p])
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
             if self.log_policy is not None:
                 self.log_policy.append(actions, header_parts, t_list, frames, wall(), now)

@@ -6,6 +6,9 @@
 
 With ``curve`` (a :class:`~gradbus.codecs.security.Curve` holding the broker's key pair and an
 allow directory) all three are CURVE servers and a ZAP thread admits only the allowed keys.
+Each message then reaches the core with the roles of the key that sent it (libzmq attaches the
+ZAP user id, the sender's Z85 public key, to every message as its ``User-Id`` property; the
+allow list maps it to roles); the core refuses what those roles do not permit.
 
 The loop drains what is ready (backend first, so credit returns before new work is batched),
 then flushes batches: pushes that arrived together for a partition go to its shard as one batch.
@@ -153,7 +156,11 @@ class BrokerServer:
             if len(msg) < 2:
                 continue  # ROUTER always gives identity + at least one frame; ignore otherwise
             try:
-                actions = handler(msg[0].bytes, msg[1:], self.clock())
+                if self.auth is not None:    # the authenticated sender's roles
+                    actions = handler(msg[0].bytes, msg[1:], self.clock(),
+                                      roles=self.auth.allow.roles_of(_user_id(msg[1])))
+                else:
+                    actions = handler(msg[0].bytes, msg[1:], self.clock())
             except Exception:  # a bug must not take the broker down: count it, keep serving
                 log.exception("handler failed on a message from %r", msg[0].bytes[:32])
                 self.core.errors["INTERNAL"] += 1
@@ -240,3 +247,11 @@ class BrokerServer:
             self.auth.stop()
         if self._own_ctx:
             self.ctx.term()
+
+
+def _user_id(frame) -> str | None:
+    """The ZAP user id libzmq attached to a received message (None without one)."""
+    try:
+        return frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError, UnicodeDecodeError):
+        return None

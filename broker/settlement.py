@@ -33,13 +33,14 @@ class Pending:
 
 
 class Settlement:
-    def __init__(self, settings, meters, members, catalog, table, sequencer, wake_reads):
+    def __init__(self, settings, meters, members, catalog, table, sequencer, acked, wake_reads):
         self.settings = settings
         self.meters = meters
         self.members = members
         self.catalog = catalog
         self.table = table
         self.sequencer = sequencer
+        self.acked = acked                  # the marks of what the broker answered for
         self.wake_reads = wake_reads        # () -> actions: reads a bsp step was holding
         self.pending: dict[tuple[bytes, int], Pending] = {}
         self.now = 0.0
@@ -83,6 +84,7 @@ class Settlement:
         errors = b.errors or {}
         if not b.primary_done and self.table.owners[p] not in b.waiting:
             b.primary_done = True
+            self.acked.note(p, b.epoch, seq)
             for i, ref in enumerate(b.refs):
                 pend = self.pending.get(ref)
                 if pend is not None and pend.acks != ALL:

@@ -34,6 +34,10 @@ class Code(str, enum.Enum):
                                            # its shards: try again shortly (the SDK resends)
     FENCED = "FENCED"                      # a shard spoke for a partition it no longer holds
                                            # (failed over while it was away): refused, counted
+    FORBIDDEN = "FORBIDDEN"                # the sender's CURVE key lacks the role the message
+                                           # needs (shard, client, operator): refused, counted
+    SHARD_ID_IN_USE = "SHARD_ID_IN_USE"    # a REGISTER for a shard id alive on another
+                                           # connection: refused, counted
     INTERNAL = "INTERNAL"                  # a bug: the receiver failed handling a valid message
 
 

@@ -12,6 +12,14 @@ CURVE is off unless a process is given a key pair. With it on:
 Key files are pyzmq's (``zmq.auth.create_certificates``): ``NAME.key`` holds the public key,
 ``NAME.key_secret`` the public and the secret key. :func:`generate` writes a pair with the
 secret file readable by its owner only.
+
+Roles: a public key file in the allow directory says what its key may do in the metadata line
+``roles = "shard client operator"`` (any of the three). ``shard``: the backend (REGISTER and
+everything a shard sends); ``client``: a worker's requests (init, push, snapshot, rows,
+catalog, status, digest); ``operator``: those and the ops commands that change the cluster
+(``checkpoint``, ``admin`` rebalance and drain). HELLO is open to every admitted key. A key
+file without a ``roles`` line is a legacy entry: it has every role, and the broker logs one
+warning per such file. :func:`permits` is the table the broker checks each message against.
 """
 from __future__ import annotations
 
@@ -19,7 +27,7 @@ import dataclasses
 import glob
 import logging
 import os
-import shutil
+import re
 import struct
 import time
 from collections.abc import Mapping
@@ -28,6 +36,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
+from . import wire
 from .errors import SecurityError
 
 log = logging.getLogger("gradbus.security")
@@ -124,9 +133,13 @@ def load_public(path) -> bytes:
     return public
 
 
-def generate(directory: str | os.PathLike, name: str, force: bool = False) -> tuple[str, str]:
+def generate(directory: str | os.PathLike, name: str, force: bool = False,
+             roles=None) -> tuple[str, str]:
     """Write ``NAME.key`` and ``NAME.key_secret`` (mode 0600) in ``directory`` (made if
-    missing); returns their paths. Existing files are kept unless ``force``."""
+    missing); returns their paths. Existing files are kept unless ``force``. With ``roles``
+    (names from :data:`ROLES`) the public file says them (its ``roles`` metadata line), so a
+    copy of it in the broker's allow directory grants exactly those."""
+    roles = check_roles(roles) if roles is not None else None
     if not name or name.startswith(".") or os.sep in name or (os.altsep and os.altsep in name):
         raise SecurityError(f"bad key name {name!r}: a file name without a path")
     directory = os.fspath(directory)
@@ -143,7 +156,94 @@ def generate(directory: str | os.PathLike, name: str, force: bool = False) -> tu
     os.chmod(secret, 0o600)
     zmq.auth.create_certificates(directory, name)
     os.chmod(secret, 0o600)
+    if roles is not None:
+        write_public(public, load_public(public), roles)
     return public, secret
+
+
+# -- roles -----------------------------------------------------------------------------------
+
+SHARD, CLIENT, OPERATOR = "shard", "client", "operator"
+#: What a key in the allow directory may be: a shard, a client (worker), an operator.
+ROLES = (SHARD, CLIENT, OPERATOR)
+ALL_ROLES = frozenset(ROLES)
+#: Frontend kinds only an operator may send: they change the cluster or write its data.
+OPERATOR_KINDS = frozenset({wire.CHECKPOINT, wire.ADMIN})
+#: Frontend kinds every admitted key may send (discovery: shards use it too).
+OPEN_KINDS = frozenset({wire.HELLO})
+_ROLES_LINE = re.compile(r'^\s*roles\s*=\s*"?([^"\n]*)"?\s*$', re.MULTILINE)
+
+
+def check_roles(roles) -> frozenset[str]:
+    """``roles`` as a frozenset, or SecurityError naming an unknown one."""
+    out = frozenset(roles)
+    bad = sorted(out - ALL_ROLES)
+    if bad or not out:
+        raise SecurityError(f"roles must be some of {', '.join(ROLES)}, not "
+                            f"{', '.join(bad) or 'none'}")
+    return out
+
+
+def permits(roles: frozenset[str] | None, backend: bool, kind: str) -> bool:
+    """Whether a message of ``kind`` (on the backend or the frontend) from a key with
+    ``roles`` is acted on. ``None``: CURVE off, nobody is authenticated, everything goes."""
+    if roles is None:
+        return True
+    if backend:
+        return SHARD in roles
+    if kind in OPEN_KINDS:
+        return bool(roles)
+    if kind in OPERATOR_KINDS:
+        return OPERATOR in roles
+    return CLIENT in roles or OPERATOR in roles
+
+
+def needs(backend: bool, kind: str) -> str:
+    """The role(s) a message of ``kind`` needs, in words (for the refusal's message)."""
+    if backend:
+        return "the shard role"
+    if kind in OPERATOR_KINDS:
+        return "the operator role"
+    return "the client or operator role"
+
+
+def read_roles(path) -> frozenset[str] | None:
+    """The roles a public key file names (its ``roles`` metadata line), or None when it names
+    none (a legacy file). Unknown role names are SecurityError."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError as e:
+        raise SecurityError(f"cannot read CURVE key file {os.fspath(path)}: {e}") from None
+    m = _ROLES_LINE.search(text.split("\ncurve", 1)[0])
+    if m is None:
+        return None
+    try:
+        return check_roles(m.group(1).replace(",", " ").split())
+    except SecurityError as e:
+        raise SecurityError(f"{os.fspath(path)}: {e.args[0]}") from None
+
+
+def write_public(path, public: bytes, roles) -> str:
+    """Write a public key file holding ``public`` with a ``roles`` line (what the broker's
+    allow directory reads); returns its path."""
+    roles = check_roles(roles)
+    path = os.fspath(path)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("#   ****  gradbus CURVE public key  ****\n\nmetadata\n"
+                f'    roles = "{" ".join(r for r in ROLES if r in roles)}"\n'
+                f'curve\n    public-key = "{public.decode()}"\n')
+    os.replace(tmp, path)
+    return path
+
+
+def grant(allow_dir: str | os.PathLike, public_file: str | os.PathLike, roles) -> str:
+    """Admit the key of ``public_file`` to an allow directory with ``roles``: writes
+    ``ALLOW/NAME.key`` (NAME from the file) naming them; returns its path."""
+    os.makedirs(allow_dir, exist_ok=True)
+    return write_public(os.path.join(os.fspath(allow_dir), os.path.basename(
+        os.fspath(public_file))), load_public(public_file), roles)
 
 
 # -- sockets ---------------------------------------------------------------------------------
@@ -264,28 +364,42 @@ class FailureCounter:
 # -- the broker's allow list -------------------------------------------------------------
 
 class AllowList:
-    """The public keys in a directory's ``*.key`` files: a ZAP credentials provider
-    (``callback(domain, key)``). It rereads the directory whenever the directory changes
-    (a key file added, removed or renamed), so keys can be added and revoked while the broker
-    runs."""
+    """The public keys in a directory's ``*.key`` files and the roles each file names: a ZAP
+    credentials provider (``callback(domain, key)``). It rereads the directory whenever the
+    directory changes (a key file added, removed or renamed), so keys can be added and revoked
+    while the broker runs. :meth:`roles_of` answers for the ZAP user id (the Z85 public key)
+    libzmq attaches to every message of an authenticated connection."""
 
     def __init__(self, directory: str):
         self.directory = directory
         self.keys: frozenset[bytes] = frozenset()
+        self.roles: dict[str, frozenset[str]] = {}    # Z85 public key (text) -> its roles
         self._mtime: int | None = None
         self._refused: set[bytes] = set()
+        self._legacy_warned: set[str] = set()
         self.reload()
 
     def reload(self) -> None:
         mtime = os.stat(self.directory).st_mtime_ns
-        keys = set()
+        roles: dict[str, frozenset[str]] = {}
         for path in sorted(glob.glob(os.path.join(glob.escape(self.directory),
                                                   "*" + PUBLIC_SUFFIX))):
             try:
-                keys.add(_read(path)[0])
+                key = _read(path)[0].decode()
+                named = read_roles(path)
             except SecurityError as e:
                 log.warning("skipping %s", e)
-        self.keys, self._mtime = frozenset(keys), mtime
+                continue
+            if named is None:
+                named = ALL_ROLES
+                if path not in self._legacy_warned:
+                    self._legacy_warned.add(path)
+                    log.warning("%s names no roles: its key may act as shard, client and "
+                                "operator (add a line roles = \"...\" under metadata, or "
+                                "make it with gradbus keys generate --role)", path)
+            roles[key] = roles.get(key, frozenset()) | named
+        keys = {k.encode() for k in roles}
+        self.keys, self.roles, self._mtime = frozenset(keys), roles, mtime
         if not keys:
             log.warning("no public keys in %s: every CURVE client will be refused",
                         self.directory)
@@ -303,6 +417,11 @@ class AllowList:
                 "refused CURVE key %s: not in %s", key.decode(errors="replace"), self.directory)
             self._refused.add(key)
         return ok
+
+    def roles_of(self, user_id: str | None) -> frozenset[str]:
+        """The roles of an authenticated connection's user id (its Z85 public key); none for
+        a key no longer in the directory."""
+        return self.roles.get(user_id, frozenset()) if user_id else frozenset()
 
 
 class Authenticator:
@@ -330,7 +449,8 @@ class Authenticator:
 @dataclasses.dataclass(frozen=True)
 class ClusterKeys:
     """Key files for a local cluster: one pair each for the broker, the shards and a client,
-    and the allow directory holding the shard's and the client's public keys."""
+    and the allow directory holding the shard's public key (role shard) and the client's (roles
+    client and operator: a local cluster's one client key serves workers and ops commands)."""
 
     directory: str
 
@@ -356,13 +476,15 @@ class ClusterKeys:
             elif not os.path.exists(keys.path(name)):
                 raise SecurityError(f"{keys.path(name, True)} has no {name}{PUBLIC_SUFFIX} "
                                     f"next to it")
-        for name in ("shard", "client"):
+        for name, roles in (("shard", {SHARD}), ("client", {CLIENT, OPERATOR})):
             allowed = os.path.join(keys.allow, name + PUBLIC_SUFFIX)
-            if not os.path.exists(allowed) or load_public(allowed) != load_public(keys.path(name)):
-                shutil.copyfile(keys.path(name), allowed)
+            if (not os.path.exists(allowed) or load_public(allowed) != load_public(keys.path(name))
+                    or read_roles(allowed) != roles):
+                grant(keys.allow, keys.path(name), roles)
         return keys
 
 
 __all__ = ["Curve", "SecurityError", "generate", "load_secret", "load_public", "server_setup",
            "client_setup", "HandshakeWatch", "FailureCounter", "AllowList", "Authenticator",
-           "ClusterKeys", "ZAP_DOMAIN"]
+           "ClusterKeys", "ZAP_DOMAIN", "ROLES", "permits", "grant", "read_roles",
+           "write_public"]

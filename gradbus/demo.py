@@ -36,7 +36,7 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
     """One asynchronous worker: pull the freshest weights, compute, push, never wait.
     ``metrics``: (port, host) to serve the client's Prometheus metrics on (port None: off)."""
     epochs = epochs or dm.DEFAULT_EPOCHS
-    X, y, _, _ = dm.load_digits_split(seed)
+    X, y, Xt, yt = dm.load_digits_split(seed)
     X, y = X[index::workers], y[index::workers]
     init = {PARAM_PREFIX + k: v for k, v in dm.init_params(dm.DEFAULT_SIZES, seed).items()}
     rng = np.random.default_rng(seed * 1000 + index)
@@ -49,13 +49,15 @@ def worker_main(broker_url: str, index: int, workers: int, epochs: int | None, c
             exporter = serve_client(c, metrics[0], metrics[1])
             print(json.dumps({"worker": index, "metrics": exporter.url}), flush=True)
         try:
-            _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optimizer)
+            _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optimizer,
+                         (Xt, yt))
         finally:
             if exporter is not None:
                 exporter.close()
 
 
-def _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optimizer) -> None:
+def _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optimizer,
+                 test) -> None:
     _init_when_ready(c, init, OPTIMIZERS[optimizer]())
     if accumulate > 1:
         c.accumulate(every=accumulate)
@@ -73,7 +75,12 @@ def _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optim
         print(json.dumps({"worker": index, "epoch": epoch + 1, "epochs": epochs,
                           "loss": float(np.mean(losses)), "pushes": steps}), flush=True)
     c.flush()
-    print(json.dumps({"worker": index, "done": True, "pushes": steps,
+    # the test accuracy of the weights this worker holds when it is done: its last line then
+    # says whether training worked (the launcher scores the final weights itself)
+    w = c.pull(names)
+    acc = dm.accuracy({k[len(PARAM_PREFIX):]: v for k, v in w.items()}, *test)
+    print(json.dumps({"worker": index, "done": True, "test_accuracy": round(acc, 4),
+                      "pushes": steps,
                       "push_bytes": c.stats["push_bytes"], "recv_bytes": c.stats["recv_bytes"],
                       "push_raw_bytes": c.stats["push_raw_bytes"],
                       "cache": dict(c.cache.stats),

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from gradbus.codecs import stats, wire
+from gradbus.codecs import jit, stats, wire
 from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import split_row_key
 
@@ -46,6 +46,10 @@ class ShardCore:
         self.shard_id = shard_id
         # Chosen (and any JIT compiled) here, before the shard's loop starts heartbeating.
         self.backend = backend or backend_mod.load()
+        # The codecs' numba loops (a batch's frames are summed with them) are built now, before
+        # the shard registers: compiled inside the loop, on a cold cache, they would silence the
+        # shard for seconds and the broker would declare it dead.
+        jit.loops()
         self.store = ParameterStore(self.backend)
         self.weights_codec = weights_codec
         self.max_tensor_bytes = max_tensor_bytes

@@ -15,10 +15,11 @@ from unittest import mock
 import msgpack
 import numpy as np
 import pytest
+import zmq
 
 from gradbus.broker.actions import Publish, ToClient, ToShard
 from gradbus.broker.core import BrokerCore
-from gradbus.codecs import jit, specs, wire
+from gradbus.codecs import jit, net, security, specs, wire
 from gradbus.codecs.partition import TensorLayout
 from gradbus.shards import backend
 from gradbus.shards.core import ShardCore
@@ -257,6 +258,29 @@ def data(n, dtype, steps=3, seed=0):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(n).astype(dtype)
     return w, [rng.standard_normal(n).astype(dtype) for _ in range(steps)]
+
+
+# ---- a backend connection of the test's own -------------------------------------------
+def register_as(url: str, shard_id: str, curve=None,
+                routing_id: bytes = b"intruder") -> dict:
+    """Connect a DEALER of our own to the broker's backend and send one REGISTER for
+    ``shard_id`` (holding nothing); returns the broker's answer."""
+    ctx = zmq.Context()
+    try:
+        welcome = net.hello(ctx, url, "shard", 10.0, curve=curve)
+        s = ctx.socket(zmq.DEALER)
+        s.linger = 0
+        if curve is not None:
+            security.client_setup(s, curve)
+        s.setsockopt(zmq.ROUTING_ID, routing_id)
+        s.connect(net.url(net.split_url(url)[0], welcome["backend"]))
+        s.send(wire.pack(wire.REGISTER, shard=shard_id, holds=[]))
+        assert s.poll(10_000), "no answer to the register"
+        h = unpack(s.recv())
+        s.close(linger=0)
+        return h
+    finally:
+        ctx.term()
 
 
 # ---- a cluster's state at its end ---------------------------------------------------------

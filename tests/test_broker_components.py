@@ -1,9 +1,11 @@
 """The broker core's components, driven without sockets: the partition table's accounting,
 typed actions, settlement and the one ACK per client, the update log's write policy on the
-injected clock, and a returning shard rebuilt from a log handed over as an event."""
+injected clock, a returning shard rebuilt from a log handed over as an event, a lost
+partition revived, the acknowledged marks, and the refusals of a live shard's id."""
 from __future__ import annotations
 
 import dataclasses
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ import pytest
 from gradbus.broker import core as bcore
 from gradbus.broker import log as ulog
 from gradbus.broker import settings
+from gradbus.broker.acked import AckMarks
 from gradbus.broker.actions import (
     AckClient,
     Acked,
@@ -22,11 +25,13 @@ from gradbus.broker.actions import (
     ToClient,
     ToShard,
 )
+from gradbus.broker.admission import MAX_LOGGED, Admission
 from gradbus.broker.core import BrokerCore
 from gradbus.broker.membership import Membership, ShardInfo
 from gradbus.broker.partition_table import PartitionTable
 from gradbus.broker.recovery import LogPolicy
 from gradbus.codecs import wire
+from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import partition_of
 from gradbus.shards.core import ShardCore
 
@@ -78,6 +83,47 @@ def test_failover_promotes_the_standby_and_the_dead_primary_lets_go():
     assert tb.owners[1] == "b" and tb.epochs[1] == 2 and tb.standbys[1] == []
     assert sh["a"].bytes == 0 and 1 not in sh["a"].partitions
     assert tb.validate_state() == []
+
+
+def test_a_lost_partition_revived_elsewhere_moves_its_bytes_and_takes_the_next_epoch():
+    tb, sh = _table()
+    tb.place(2)
+    tb.account(2, 64)
+    tb.lost.add(2)
+    with pytest.raises(WireError, match="k: partition 2 is lost"):
+        tb.live_owner("k", 2)
+    tb.revive(sh["b"], 2, epoch=1, nbytes=80)
+    assert tb.owners[2] == "b" and tb.epochs[2] == 2 and not tb.lost
+    assert (sh["a"].bytes, sh["b"].bytes) == (0, 80) and 2 not in sh["a"].partitions
+    tb.lost.add(2)
+    tb.revive(sh["b"], 2, epoch=3)              # its own copy back, sent in a later epoch
+    assert tb.epochs[2] == 3 and sh["b"].bytes == 80 and tb.validate_state() == []
+
+
+def test_the_acknowledged_marks_say_which_copy_brings_a_partition_back():
+    am = AckMarks(4)
+    am.note(1, 1, 5)
+    am.note(1, 2, 3)                            # a later epoch, an older seq: both kept
+    assert am.need(1) == (2, 5) and am.covers(1, (2, 5)) and am.covers(1, (3, 9))
+    assert not am.covers(1, (2, 4)) and not am.covers(1, (1, 9))
+    assert "seq >= 5 (epoch >= 2)" in am.lost_message(1)
+    assert am.need(0) == (0, 0) and am.covers(0, (0, 0)) and am.validate_state() == []
+
+
+def test_admission_refuses_a_takeover_of_a_live_id_and_logs_a_bounded_number():
+    errors = defaultdict(int)
+    ad = Admission(errors)
+    live = ShardInfo("s", b"s", 0.0)
+    assert not ad.takes_over(None, b"x", 0.1, 0.5)        # a new id
+    assert not ad.takes_over(live, b"s", 0.1, 0.5)        # its own connection
+    assert ad.takes_over(live, b"x", 0.5, 0.5)
+    assert not ad.takes_over(live, b"x", 0.51, 0.5)       # silent past the deadline
+    for i in range(MAX_LOGGED + 10):
+        assert "in use by a live shard" in ad.register_refusal(live, b"x%d" % i, 0.1, 0.5)
+    assert errors["SHARD_ID_IN_USE"] == MAX_LOGGED + 10
+    assert len(ad._logged) == MAX_LOGGED and ad.validate_state() == []
+    assert "operator role" in ad.role_refusal(frozenset({"client"}), False, wire.ADMIN)
+    assert ad.role_refusal(None, True, wire.REGISTER) is None and errors["FORBIDDEN"] == 1
 
 
 def test_liveness_is_judged_on_the_injected_clock():
@@ -187,8 +233,9 @@ def test_batches_are_logged_before_they_go_out_and_the_core_does_no_log_io(tmp_p
 
 def test_a_returning_sole_owner_is_rebuilt_from_the_log_handed_over_with_its_register(
         tmp_path):
-    """The core asks for its log (ReadLog) instead of reading it; fed the index, it replays
-    what the shard lost."""
+    """The core asks for its log (ReadLog) instead of reading it (not for a REGISTER that would
+    take over the live shard's id from another connection); fed the index, it replays what the
+    shard lost."""
     rig = Rig(("s0",), log_fsync="never")
     lg = ulog.UpdateLog(str(tmp_path), "never")
     b = rig.broker
@@ -207,6 +254,9 @@ def test_a_returning_sole_owner_is_rebuilt_from_the_log_handed_over_with_its_reg
         deliver_logging(b.flush(0.0))
     rig.shards["s0"] = ShardCore("s0")                    # restarted with nothing
     reg = [wire.pack(wire.REGISTER, shard="s0", **rig.shards["s0"].register_fields())]
+    out = b.on_backend(b"x", reg, 0.0)    # its id from another connection: refused, no log read
+    assert [type(a) for a in out] == [ToShard] and unpack(out[0].frames[0])["code"] == \
+        "SHARD_ID_IN_USE"
     out = b.on_backend(b"s0", reg, 0.0)
     assert out == [ReadLog(b"s0", reg)]                   # asks; reads nothing itself
     lg.close()

@@ -1,4 +1,4 @@
-"""The deployment files: docker/Dockerfile, .dockerignore, docker/docker-compose.yml,
+"""The deployment files: docker/Dockerfile, .dockerignore, docker/docker-compose.yml, docker/.env,
 docker/prometheus.yml, docker/grafana/ and docker/k8s/.
 
 No container runs here. Each file is parsed and checked against the code:
@@ -13,7 +13,11 @@ No container runs here. Each file is parsed and checked against the code:
 * CURVE: every process has a whole key pair from a mounted secret, the broker's allow
   directory holds the public key of each of them, and each holds the broker's public key;
 * the image: multi-stage, slim base, ``ENTRYPOINT ["gradbus"]`` (the console script),
-  a non-root user, a healthcheck that is a gradbus command line, no compiler installed;
+  a non-root user, a healthcheck that is a gradbus command line, no compiler installed, and
+  nothing only BuildKit understands (no ``# syntax=`` directive, no ``RUN --mount``), so the
+  classic builder builds it too, with no registry;
+* the compose file runs on Compose 1.29 (no top-level ``name``; the project name is in
+  docker/.env) and v2;
 * the Grafana dashboard queries only metrics the scraped processes export.
 
 Paths in command lines. Parsing opens one file: ``--config`` (click checks that it exists,
@@ -40,6 +44,8 @@ import pathlib
 import posixpath
 import re
 import shlex
+import shutil
+import subprocess
 from unittest import mock
 
 import click
@@ -350,11 +356,22 @@ def check_dockerfile(text: str) -> list[str]:
     if not any("pip wheel" in r and ".[demo]" in r for st in stages[:-1]
                for r in _instr(st, "RUN")):
         out.append("no builder stage builds wheels of the project with the demo extra")
-    installs = [r for r in _instr(final, "RUN") if "pip install" in r]
-    if not any("--no-index" in r and "--only-binary=:all:" in r and "gradbus[demo]" in r
-               and any(f"from={b}" in r for b in builders) for r in installs):
-        out.append("the final stage does not install gradbus[demo] from the builder's wheels "
-                   "only (--no-index --only-binary=:all:)")
+    # a builder installs gradbus[demo] from its wheels only into a virtual environment, which
+    # the final stage copies whole to the same path and puts first on PATH
+    envs = {v for st in stages[:-1] if st["name"] in builders for r in _instr(st, "RUN")
+            for v in re.findall(r"-m venv (\S+)", r)
+            if any(f"{v}/bin/pip install" in r and "--no-index" in r
+                   and "--only-binary=:all:" in r and "gradbus[demo]" in r
+                   for r in _instr(st, "RUN"))}
+    copied = {v for c in _instr(final, "COPY") for b in builders for v in envs
+              if c.split() == [f"--from={b}", v, v]}
+    path = " ".join(_instr(final, "ENV"))
+    if not any(re.search(rf"PATH={re.escape(v)}/bin[:\s]", path) for v in copied):
+        out.append("the final stage does not copy a builder's environment holding gradbus[demo] "
+                   "from the builder's wheels only (--no-index --only-binary=:all:) onto PATH")
+    if any("pip install" in r for r in _instr(final, "RUN")):
+        out.append("the final stage runs pip install: it copies the builder's environment")
+    out += check_classic_builder(text, stages)
     for r in _instr(final, "RUN"):
         found = set(re.findall(r"[\w+.-]+", r)) & COMPILERS
         if found:
@@ -384,6 +401,38 @@ def check_dockerfile(text: str) -> list[str]:
             out.append(f"HEALTHCHECK {hc}: {e.format_message()}")
     if not _instr(final, "VOLUME"):
         out.append("no VOLUME for checkpoints")
+    return out
+
+
+#: the flags the classic builder knows, per instruction (every other one needs BuildKit)
+CLASSIC_FLAGS = {"RUN": (), "COPY": ("--from=", "--chown="), "ADD": ("--chown=",),
+                 "FROM": ("--platform=",)}
+
+
+def check_classic_builder(text: str, stages: list[dict]) -> list[str]:
+    """Nothing that only BuildKit understands: no ``# syntax=`` directive (BuildKit pulls that
+    frontend image from a registry for every build), no ``RUN --mount`` or other RUN flags, no
+    COPY/ADD flags but ``--from``/``--chown``, no heredocs."""
+    out = []
+    for line in text.splitlines():
+        if not line.strip().startswith("#"):
+            break                  # parser directives come before anything else
+        if re.fullmatch(r"#\s*syntax\s*=.*", line.strip(), re.IGNORECASE):
+            out.append(f"{line.strip()!r}: a frontend image to pull (BuildKit only)")
+    for st in stages:
+        for kw, rest in st["instr"]:
+            if kw not in CLASSIC_FLAGS:
+                continue
+            flags = []
+            for word in rest.split():
+                if not word.startswith("--"):
+                    break
+                flags.append(word)
+            bad = [f for f in flags if not f.startswith(CLASSIC_FLAGS[kw])]
+            if bad:
+                out.append(f"{kw} {' '.join(bad)}: not understood by the classic builder")
+            if re.search(r"<<-?[\"']?\w+", rest) and kw != "FROM":
+                out.append(f"{kw} with a heredoc: not understood by the classic builder")
     return out
 
 
@@ -527,6 +576,27 @@ def check_compose(doc: dict, procs: list[Proc], prom: dict) -> list[str]:
         if p is None or p.params.get("metrics_port") != port:
             out.append(f"prometheus.yml: target {host}:{port} is no gradbus service's "
                        "metrics port")
+    return out
+
+
+#: the top-level keys Compose 1.29 (Debian's docker-compose) accepts; Compose v2 accepts these
+#: too (and ``name``, which 1.29 rejects)
+COMPOSE_V1_TOP = {"version", "services", "networks", "volumes", "secrets", "configs"}
+ENV_FILE = DOCKER / ".env"
+
+
+def check_compose_versions(doc: dict, env_text: str) -> list[str]:
+    """The compose file runs on Compose 1.29 and v2 alike, under the project name gradbus."""
+    out = [f"top-level {k!r}: Compose 1.29 rejects it" for k in doc
+           if k not in COMPOSE_V1_TOP and not k.startswith("x-")]
+    if "name" in doc:
+        out.append("the project name belongs in docker/.env (COMPOSE_PROJECT_NAME), which "
+                   "both versions read")
+    env = dict(line.split("=", 1) for line in env_text.splitlines()
+               if line.strip() and not line.lstrip().startswith("#"))
+    if env.get("COMPOSE_PROJECT_NAME") != "gradbus":
+        out.append(f"docker/.env: COMPOSE_PROJECT_NAME is {env.get('COMPOSE_PROJECT_NAME')}, "
+                   "not gradbus")
     return out
 
 
@@ -908,6 +978,20 @@ def test_compose_uses_the_config_file_and_the_image(compose_doc, procs):
     assert "./prometheus.yml:/etc/prometheus/prometheus.yml:ro" in prom["volumes"]
 
 
+def test_compose_runs_on_compose_1_29_and_v2(compose_doc):
+    assert check_compose_versions(compose_doc, ENV_FILE.read_text()) == []
+    named = dict(compose_doc, name="gradbus")
+    assert check_compose_versions(named, ENV_FILE.read_text()) != []
+    assert check_compose_versions(compose_doc, "COMPOSE_PROJECT_NAME=docker\n") != []
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no docker-compose here")
+def test_docker_compose_1_validates_the_file():
+    r = subprocess.run(["docker-compose", "-f", str(COMPOSE), "config", "-q"],
+                       check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
 # -- the image -------------------------------------------------------------------------------
 
 def test_dockerfile():
@@ -926,7 +1010,18 @@ def test_dockerfile_checks_catch_problems():
         "bad healthcheck": good.replace('"status", "--timeout", "2"', '"status", "--tmeout"'),
         "one stage": "FROM python:3.12-slim\nUSER 1\nENTRYPOINT [\"gradbus\"]\n",
         "fat base": good.replace("python:3.12-slim-bookworm", "python:3.12"),
+        "syntax directive": "# syntax=docker/dockerfile:1\n" + good,
+        "RUN --mount": good.replace("RUN groupadd", "RUN --mount=type=cache,target=/x groupadd"),
+        "COPY --link": good.replace("COPY --from=builder", "COPY --link --from=builder"),
+        "heredoc": good.replace("USER 10001:10001", "RUN <<EOF\ntrue\nEOF\nUSER 10001:10001"),
+        "env not copied": good.replace("COPY --from=builder /opt/gradbus /opt/gradbus", ""),
+        "env not on PATH": good.replace("PATH=/opt/gradbus/bin:$PATH", "PATH=$PATH"),
+        "env from the index": good.replace("--no-index ", ""),
+        "pip in the final stage": good.replace("USER 10001:10001",
+                                               "RUN pip install gradbus\nUSER 10001:10001"),
     }
+    for what, text in broken.items():
+        assert text != good, what
     for what, text in broken.items():
         assert check_dockerfile(text) != [], what
 
@@ -1098,3 +1193,41 @@ def test_k8s_config_map_is_the_docker_config(k8s, tmp_path):
     (tmp_path / "gradbus.toml").write_text(text)
     assert config.load(str(tmp_path / "gradbus.toml")).values == \
         config.load(str(DOCKER / "gradbus.toml")).values
+
+
+# ---- CURVE key roles in the deployment examples -------------------------------------------------
+
+_KEY_ROLES = {"broker": "operator", "shard": "shard", "worker": "client"}
+
+
+def key_generation_problems(text: str, where: str) -> list[str]:
+    """Every ``gradbus keys generate .../keys --name N`` for the deployment examples' three keys
+    gives N its role (the broker's own key is an operator's there: ops commands and the
+    healthcheck in its container connect with it)."""
+    import re
+    out = []
+    for line in text.splitlines():
+        m = re.search(r"keys generate \S*/keys --name (\w+)(.*)", line)
+        if not m or m.group(1) not in _KEY_ROLES:
+            continue
+        roles = re.findall(r"--role (\w+)", m.group(2))
+        if roles != [_KEY_ROLES[m.group(1)]]:
+            out.append(f"{where}: {m.group(1)} key made with roles {roles}, "
+                       f"want [{_KEY_ROLES[m.group(1)]!r}]")
+    return out
+
+
+def test_deployment_keys_are_made_with_their_roles():
+    files = [DOCKER / "docker-compose.yml", DOCKER / "k8s" / "secret.yaml", DOCKER / "smoke.sh",
+             ROOT / "README.md", ROOT / "docs" / "operations.md"]
+    import re
+    problems = []
+    for f in files:
+        text = f.read_text()
+        # the three keys, once in each of the five places
+        assert len(re.findall(r"keys generate \S*/keys --name (?:broker|shard|worker)\b",
+                              text)) == 3, f.name
+        problems += key_generation_problems(text, f.name)
+    assert problems == []
+    assert key_generation_problems("gradbus keys generate docker/keys --name worker", "x") == [
+        "x: worker key made with roles [], want ['client']"]

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Smoke test of the docker example, end to end: builds the image, brings up the compose stack
+# (broker, 3 shards, 2 demo workers, CURVE on every connection; Prometheus and Grafana too when
+# their images are present locally, else skipped with a note), waits for both workers to finish,
+# checks `gradbus status` (every shard alive, pushes applied) and each worker's last line (the
+# demo model's test accuracy at least MIN_ACCURACY), then tears everything down (containers,
+# network, volumes, the key pairs it made) whether it passed or not. Exit status 0: it worked.
+#
+#   docker/smoke.sh                                        # from anywhere in the repository
+#   PYTHON_IMAGE=IMAGE docker/smoke.sh                     # a local base image (no registry)
+#
+# Settings (environment): PYTHON_IMAGE (the Dockerfile's build argument; default: the
+# Dockerfile's own), COMPOSE (default: `docker compose` where it works, else `docker-compose`),
+# MIN_ACCURACY (default 0.9), SMOKE_TIMEOUT (seconds for the workers, default 900), NO_BUILD=1
+# (use the gradbus:local image as it is). It runs the stack from a copy of docker/ under a
+# temporary folder, with key pairs of its own, as the compose project gradbus-smoke: it never
+# touches docker/keys or a running `gradbus` project, but it publishes the same host ports
+# (127.0.0.1:5555-5557, 9090, 3000), so those must be free.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+root=$(dirname "$here")
+image=gradbus:local
+project=gradbus-smoke
+min_accuracy=${MIN_ACCURACY:-0.9}
+timeout_s=${SMOKE_TIMEOUT:-900}
+if [[ -n ${COMPOSE:-} ]]; then
+  read -r -a compose <<<"$COMPOSE"
+elif docker compose version >/dev/null 2>&1; then
+  compose=(docker compose)
+else
+  compose=(docker-compose)
+fi
+
+say() { printf 'smoke: %s\n' "$*"; }
+fail() { say "FAIL: $*"; exit 1; }
+
+work=$(mktemp -d)
+dc() { "${compose[@]}" -p "$project" -f "$work/docker/docker-compose.yml" "$@"; }
+cleanup() {
+  local rc=$?
+  trap - EXIT
+  if ((rc != 0)) && [[ -f $work/docker/docker-compose.yml ]]; then
+    say "logs of the stack (last 20 lines of each service):"
+    dc logs --no-color --tail 20 2>&1 | sed 's/^/  /' || true
+  fi
+  say "tearing down (containers, network, volumes)"
+  [[ -f $work/docker/docker-compose.yml ]] \
+    && dc down --volumes --remove-orphans --timeout 10 >/dev/null 2>&1 || true
+  rm -rf "$work"
+  if ((rc == 0)); then say "PASS"; else say "exit $rc"; fi
+  exit "$rc"
+}
+trap cleanup EXIT
+
+# 1. the image
+if [[ ${NO_BUILD:-0} != 1 ]]; then
+  say "building $image${PYTHON_IMAGE:+ from $PYTHON_IMAGE} (docker build -f docker/Dockerfile)"
+  t0=$SECONDS
+  docker build -f "$root/docker/Dockerfile" ${PYTHON_IMAGE:+--build-arg "PYTHON_IMAGE=$PYTHON_IMAGE"} \
+    -t "$image" "$root" >"$work/build.log" 2>&1 \
+    || { tail -n 30 "$work/build.log"; fail "docker build failed"; }
+  say "built in $((SECONDS - t0)) s"
+fi
+docker image inspect "$image" >/dev/null 2>&1 || fail "no image $image"
+
+# 2. the stack's files, with fresh key pairs (secret keys owned by the containers' uid 10001)
+mkdir -p "$work/docker/keys"
+cp -r "$here/docker-compose.yml" "$here/gradbus.toml" "$here/prometheus.yml" "$here/grafana" \
+  "$work/docker/"
+docker run --rm --user 0 --entrypoint sh -v "$work/docker/keys:/keys" "$image" -c \
+  'gradbus keys generate /keys --name broker --role operator >/dev/null
+   gradbus keys generate /keys --name shard --role shard >/dev/null
+   gradbus keys generate /keys --name worker --role client >/dev/null
+   chown 10001:10001 /keys/*.key_secret' || fail "could not make the key pairs"
+
+services=(broker shard-0 shard-1 shard-2 worker-0 worker-1)
+for svc in prometheus grafana; do
+  img=$(grep -oE "image: *(prom/prometheus|grafana/grafana):[^ ]+" "$here/docker-compose.yml" \
+        | sed 's/image: *//' | grep -m1 "/$svc:" || true)
+  if [[ -n $img ]] && docker image inspect "$img" >/dev/null 2>&1; then
+    services+=("$svc")
+  else
+    say "note: image ${img:-of $svc} is not present locally; $svc skipped"
+  fi
+done
+
+# 3. up: compose waits for the broker's and the shards' healthchecks before it starts workers
+say "starting ${services[*]} with ${compose[*]}"
+t0=$SECONDS
+dc up -d --no-build "${services[@]}" >"$work/up.log" 2>&1 \
+  || { tail -n 20 "$work/up.log"; fail "compose up failed"; }
+say "up in $((SECONDS - t0)) s; waiting for the workers (up to $timeout_s s)"
+
+cid() { dc ps -q "$1"; }
+deadline=$((SECONDS + timeout_s))
+for w in worker-0 worker-1; do
+  while :; do
+    id=$(cid "$w")
+    state=$(docker inspect -f '{{.State.Status}} {{.State.ExitCode}}' "$id" 2>/dev/null || echo "missing 0")
+    [[ $state == "exited 0" ]] && break
+    ((SECONDS < deadline)) || fail "$w did not finish within $timeout_s s (state: $state)"
+    sleep 2
+  done
+done
+say "workers done $((SECONDS - t0)) s after up"
+
+# 4. gradbus status, asked in the broker's container with its keys
+dc exec -T broker gradbus status --timeout 10 | sed 's/^/  /' || fail "gradbus status failed"
+dc exec -T broker sh -c 'gradbus status --json --timeout 10 | python -c "
+import json, sys
+st = json.load(sys.stdin)
+alive = sorted(s[\"id\"] for s in st[\"shards\"] if s[\"alive\"])
+applied = int(st[\"counters\"].get(\"pushes_applied\", 0))
+print(\"  shards alive:\", \" \".join(alive), \" pushes applied:\", applied)
+sys.exit(0 if len(alive) == 3 and applied > 0 else 1)
+"' || fail "gradbus status: want 3 shards alive and pushes applied"
+
+# 5. each worker's last line: a JSON summary with the demo model's test accuracy
+for w in worker-0 worker-1; do
+  last=$(docker logs "$(cid "$w")" 2>/dev/null | tail -n 1)
+  say "$w: $last"
+  docker run --rm --entrypoint python "$image" -c '
+import json, sys
+last, least = json.loads(sys.argv[1]), float(sys.argv[2])
+sys.exit(0 if last.get("done") and last.get("test_accuracy", 0) >= least else 1)
+' "$last" "$min_accuracy" || fail "$w: want a last line with test_accuracy >= $min_accuracy"
+  acc=$(sed -n 's/.*"test_accuracy": \([0-9.]*\).*/\1/p' <<<"$last")
+  say "$w: test accuracy $acc >= $min_accuracy"
+done
+
+# 6. the monitoring services, when they ran
+for svc in "${services[@]}"; do
+  case $svc in
+    prometheus) url=http://127.0.0.1:9090/-/ready ;;
+    grafana) url=http://127.0.0.1:3000/api/health ;;
+    *) continue ;;
+  esac
+  docker run --rm --network "container:$(cid "$svc")" --entrypoint python "$image" -c '
+import sys, time, urllib.request
+deadline = time.monotonic() + 60
+while True:
+    try:
+        urllib.request.urlopen(sys.argv[1], timeout=5)
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            raise
+        time.sleep(1)
+' "$url" >/dev/null 2>&1 && say "$svc answers at $url" || fail "$svc does not answer at $url"
+done

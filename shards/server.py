@@ -16,7 +16,7 @@ import uuid
 import zmq
 
 from gradbus.codecs import net, security, timing, wire
-from gradbus.codecs.errors import Code, GradbusError, WireError
+from gradbus.codecs.errors import Code, WireError
 
 from . import checkpoint
 from .core import ShardCore
@@ -68,10 +68,9 @@ class ShardServer:
 
     def restore(self, path: str) -> None:
         """Load a checkpoint directory (before registering: the broker learns the partitions,
-        tensors and versions from REGISTER)."""
-        ck = checkpoint._read_manifest(path)
-        if ck is None:
-            raise GradbusError(f"{path} is not a complete gradbus checkpoint")
+        tensors and versions from REGISTER). A damaged one raises
+        :class:`~.checkpoint.DamagedCheckpoint` naming the file and what is wrong."""
+        ck = checkpoint.read_manifest(path)
         for h, descs, frames in checkpoint.load(ck, self.core.max_tensor_bytes):
             self.core.install_state(h, descs, frames)
         log.info("%s restored %d partitions from %s", self.shard_id, len(ck.partitions), path)

@@ -78,12 +78,38 @@ def send_before(sock: zmq.Socket, msg, deadline: float,
             watch.check()
 
 
+#: Seconds a wait that can be given up (``stop``) runs before it looks at its stop event again.
+STOP_STEP = 0.1
+
+
+class Stopped(GradbusError):
+    """A wait given up because its caller is stopping (its ``stop`` event was set)."""
+
+
+def _ask(s: zmq.Socket, watch: security.HandshakeWatch, msg, end: float, stop=None):
+    """Send ``msg`` and wait for a reply until ``end``: the reply's frame, or None. With
+    ``stop`` (an event), in steps of :data:`STOP_STEP`, raising :class:`Stopped` once set."""
+    sent = False
+    while True:
+        if stop is not None and stop.is_set():
+            raise Stopped("stopped while waiting for the broker")
+        step = end if stop is None else min(end, time.monotonic() + STOP_STEP)
+        if not sent:
+            sent = send_before(s, msg, step, watch)
+        elif watch.poll(int(max(0.0, step - time.monotonic()) * 1000)):
+            return s.recv()
+        if time.monotonic() >= end:
+            return None
+
+
 def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
-          configure=None, curve: security.Curve | None = None) -> dict:
+          configure=None, curve: security.Curve | None = None, stop=None) -> dict:
     """Ask the broker for its ports. Retries with back-off until ``timeout`` seconds pass.
     ``curve``: this process's CURVE keys (None: CURVE off); a handshake the broker refuses
     raises :class:`~gradbus.codecs.errors.SecurityError` at once. Nothing here waits past
-    ``timeout``: not the HELLO's send either (see :func:`send_before`)."""
+    ``timeout``: not the HELLO's send either (see :func:`send_before`). ``stop``: an event
+    (a server's stopping flag); once it is set, hello raises :class:`Stopped` within
+    :data:`STOP_STEP` seconds."""
     split_url(broker_url)
     deadline = time.monotonic() + timeout
     wait = timing.RECONNECT_MIN
@@ -99,10 +125,9 @@ def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
         try:
             s.connect(broker_url)
             attempt_end = time.monotonic() + max(0.0, min(wait, deadline - time.monotonic()))
-            sent = send_before(s, wire.pack(wire.HELLO, role=role), attempt_end, watch)
-            left = attempt_end - time.monotonic()
-            if sent and watch.poll(int(max(0.0, left) * 1000)):
-                h = wire.unpack_header(s.recv(), frozenset({wire.WELCOME, wire.ERROR}))
+            reply = _ask(s, watch, wire.pack(wire.HELLO, role=role), attempt_end, stop)
+            if reply is not None:
+                h = wire.unpack_header(reply, frozenset({wire.WELCOME, wire.ERROR}))
                 if h["kind"] == wire.ERROR:
                     raise GradbusError(h["message"], h["code"])
                 return h

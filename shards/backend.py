@@ -23,7 +23,6 @@ backend runs each step as one fused ElementwiseKernel, a batch's sum included.
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -283,10 +282,11 @@ _LOOPS = {"sgd": (_sgd_loop, 0, 1), "momentum": (_momentum_loop, 1, 4),
           "adam": (_adam_loop, 2, 6), "adagrad": (_adagrad_loop, 1, 4)}  # (loop, state, scalars)
 
 
-@functools.cache
+@codec_jit.once
 def _numba_loops() -> dict | None:
     """The loops compiled for float32 and float64, or None where there are none (no numba,
-    ``GRADBUS_JIT=0``, a failed compile: :func:`gradbus.codecs.jit.build`).
+    ``GRADBUS_JIT=0``, a failed compile: :func:`gradbus.codecs.jit.build`). Compiled once
+    even when several threads (the shards of an in-process cluster) ask first together.
 
     ``error_model="numpy"``: division follows IEEE (no ZeroDivisionError branch, which would also
     keep LLVM from vectorizing); no fastmath, so results match the numpy path.

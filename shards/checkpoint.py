@@ -145,9 +145,6 @@ def read_manifest(path: str) -> Checkpoint:
     return Checkpoint(path, m["shard"], float(m["time"]), parts)
 
 
-_read_manifest = read_manifest
-
-
 def _read(path: str, what: str) -> bytes:
     """The bytes of a checkpoint's file ``path``, or :class:`DamagedCheckpoint` saying that
     ``what`` cannot be read, and why."""

@@ -15,7 +15,10 @@ and carries out the typed actions it returns, in order:
 * :meth:`Registration.sent`, every message the shard sent other than a heartbeat;
 * :meth:`Registration.tick`, once per loop turn -> :class:`Heartbeat` every heartbeat
   interval, busy or not, and :class:`Connect` (with how long the broker was silent) when
-  nothing came for ``liveness`` intervals.
+  nothing came for ``liveness`` intervals;
+* :meth:`Registration.lost`, the connection failed before the broker was heard on it (a send
+  that could not go out by its deadline, a failed handshake) -> :class:`Connect`, as for a
+  silent broker.
 
 An action is carried out when it is returned: the time of the event is the time of the send.
 """
@@ -38,6 +41,7 @@ class Phase(enum.Enum):
 class Connect:
     """HELLO the broker and (re)open the backend socket, closing any old one."""
     silent_for: float | None = None   # seconds the broker was silent (None: the first connect)
+    lost: bool = False                # the connection failed (rather than fell silent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,12 @@ class Registration:
             if now - self.registered_at > self.window:
                 return [self._register(now)]
         return []
+
+    def lost(self, now: float) -> list:
+        """The connection failed before the broker was heard on it: a new one, as after a
+        silent broker."""
+        self.phase = Phase.DISCONNECTED
+        return [Connect(silent_for=now - self.last_heard, lost=True)]
 
     def sent(self, now: float) -> None:
         """The shard sent a message (a reply), which the broker also reads as a sign of life."""

@@ -4,6 +4,13 @@ It finds the backend port with a HELLO on the broker's client URL, registers, he
 ``HEARTBEAT_INTERVAL`` and re-registers (after a fresh HELLO, with back-off) when the broker is
 silent for ``LIVENESS`` intervals: the decisions are :class:`~.registration.Registration`'s,
 the sockets, clocks, checkpoint thread and fault injection are here.
+
+Until the broker is heard on a backend connection, every send on it honours a deadline (the
+hello timeout from the connect): libzmq drops the pipe of a connection whose handshake failed,
+and a plain send on it would block for ever. A send that cannot go out by then, or a failed
+handshake, is a lost connection (a new one is made, as for a silent broker); a key the broker
+refuses is a :class:`~gradbus.codecs.errors.SecurityError`. Every wait (HELLO, those sends,
+the loop's poll) gives up within ``net.STOP_STEP`` seconds of :meth:`ShardServer.stop`.
 """
 from __future__ import annotations
 
@@ -16,7 +23,7 @@ import uuid
 import zmq
 
 from gradbus.codecs import net, security, timing, wire
-from gradbus.codecs.errors import Code, GradbusError, WireError
+from gradbus.codecs.errors import Code, WireError
 
 from . import checkpoint
 from .core import ShardCore
@@ -51,6 +58,10 @@ class ShardServer:
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None
+        # until the broker is heard on self.sock: its handshake failures, and the time
+        # (time.monotonic) by which a send on it must have gone out
+        self._watch: security.HandshakeWatch | None = None
+        self._send_by = 0.0
         self.reg = Registration(heartbeat_interval, liveness)
         if checkpoint_interval < 0 or checkpoint_keep < 1:
             raise ValueError("checkpoint_interval must be >= 0 and checkpoint_keep >= 1")
@@ -68,10 +79,9 @@ class ShardServer:
 
     def restore(self, path: str) -> None:
         """Load a checkpoint directory (before registering: the broker learns the partitions,
-        tensors and versions from REGISTER)."""
-        ck = checkpoint._read_manifest(path)
-        if ck is None:
-            raise GradbusError(f"{path} is not a complete gradbus checkpoint")
+        tensors and versions from REGISTER). A damaged one raises
+        :class:`~.checkpoint.DamagedCheckpoint` naming the file and what is wrong."""
+        ck = checkpoint.read_manifest(path)
         for h, descs, frames in checkpoint.load(ck, self.core.max_tensor_bytes):
             self.core.install_state(h, descs, frames)
         log.info("%s restored %d partitions from %s", self.shard_id, len(ck.partitions), path)
@@ -124,43 +134,98 @@ class ShardServer:
                                  **fields))
 
     # -- the loop: sockets and clocks around the core and the registration state machine ------
-    def _connect(self) -> None:
-        """HELLO the broker (retried with back-off) and connect a fresh backend socket."""
-        if self.sock is not None:
-            self.sock.close(linger=0)
-            self.sock = None
+    def _connect(self) -> bool:
+        """HELLO the broker (retried with back-off) and connect a fresh backend socket; False
+        when the shard was stopped first."""
+        self._close_sock()
         host, _ = net.split_url(self.broker_url)
-        welcome = net.hello(self.ctx, self.broker_url, "shard", self.hello_timeout,
-                            curve=self.curve)
+        log.info("%s: asking the broker at %s for its ports", self.shard_id, self.broker_url)
+        try:
+            welcome = net.hello(self.ctx, self.broker_url, "shard", self.hello_timeout,
+                                curve=self.curve, stop=self.stopping)
+        except net.Stopped:
+            return False
+        backend = net.url(host, welcome["backend"])
         self.sock = self.ctx.socket(zmq.DEALER)
         net.tune(self.sock)
         if self.curve is not None:
             security.client_setup(self.sock, self.curve)
         self.sock.setsockopt(zmq.ROUTING_ID, self.shard_id.encode())
-        self.sock.connect(net.url(host, welcome["backend"]))
+        self._watch = security.HandshakeWatch(self.sock, self.curve, backend)
+        self.sock.connect(backend)
+        self._send_by = time.monotonic() + self.hello_timeout
+        return True
+
+    def _close_sock(self) -> None:
+        self._heard()
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None
+
+    def _heard(self) -> None:
+        """The broker was heard on this connection: its pipe is up, sends need no deadline."""
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+
+    def _send(self, msg) -> bool:
+        """Send a registration message; False when it could not go out on this connection
+        (see the module's docstring), or the shard is stopping."""
+        if self._watch is None:
+            self.sock.send(msg)
+            return True
+        while not self.stopping.is_set():
+            failures = self._watch.failures
+            step = min(self._send_by, time.monotonic() + net.STOP_STEP)
+            if net.send_before(self.sock, msg, step, self._watch):
+                return True
+            if self._watch.failures > failures or time.monotonic() >= self._send_by:
+                return False
+        return False
+
+    def _handshake_failed(self) -> bool:
+        """Whether this connection's handshake failed (before the broker was heard on it);
+        a refused key raises SecurityError."""
+        if self._watch is None:
+            return False
+        failures = self._watch.failures
+        self._watch.check()
+        return self._watch.failures > failures
 
     def _act(self, actions: list) -> None:
-        """Carry out the registration's actions, in order."""
-        for a in actions:
-            match a:
-                case Connect(silent_for=silent):
-                    if silent is not None:
+        """Carry out the registration's actions, in order (those an action's event returns
+        first); a send that could not go out makes a new connection instead of the rest."""
+        todo = collections.deque(actions)
+        while todo:
+            sent = True
+            match todo.popleft():
+                case Connect(silent_for=silent, lost=lost):
+                    if lost:
+                        log.warning("%s: the connection to the broker failed before it answered"
+                                    ", reconnecting", self.shard_id)
+                    elif silent is not None:
                         log.warning("%s: broker silent for %.2fs, reconnecting", self.shard_id,
                                     silent)
                     self.registered.clear()
-                    self._connect()
-                    self._act(self.reg.connected(self.clock()))
+                    if not self._connect():
+                        break       # stopping
+                    todo.extendleft(reversed(self.reg.connected(self.clock())))
                 case Register(rejoin=rejoin):
-                    self.sock.send(wire.pack(wire.REGISTER, shard=self.shard_id, rejoin=rejoin,
-                                             **self.core.register_fields()))
+                    sent = self._send(wire.pack(wire.REGISTER, shard=self.shard_id,
+                                                rejoin=rejoin, **self.core.register_fields()))
                 case Heartbeat():
                     # counters every interval, busy or not (status and top read them)
                     info = self.core.info()
                     if self.metrics_url:
                         info["metrics_url"] = self.metrics_url
-                    self.sock.send(wire.pack(wire.HEARTBEAT, info=info))
+                    sent = self._send(wire.pack(wire.HEARTBEAT, info=info))
                     if self.on_metrics is not None:
                         self.on_metrics(self.core.metrics())
+            if not sent:
+                if self.stopping.is_set():
+                    break
+                todo.clear()
+                todo.extend(self.reg.lost(self.clock()))
         if self.reg.registered != self.registered.is_set():
             if self.reg.registered:
                 self.registered.set()
@@ -173,6 +238,9 @@ class ShardServer:
             self._act(self.reg.start())
             last_ckpt = self.clock()
             while not self.stopping.is_set():
+                if self._handshake_failed():
+                    self._act(self.reg.lost(self.clock()))
+                    continue
                 if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
                     self._drain()
                 now = self.clock()
@@ -194,6 +262,7 @@ class ShardServer:
                 frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 break
+            self._heard()
             head = _peek(frames[0]) if frames else {}
             kind = head.get("kind")
             self._act(self.reg.heard(self.clock(), kind, head.get("code")))
@@ -249,7 +318,7 @@ class ShardServer:
                 self.sock.send(wire.pack(wire.BYE), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-            self.sock.close(linger=0)
+        self._close_sock()
         if self._own_ctx:
             self.ctx.term()
         if final_failed:    # not a clean stop: the process exits non-zero

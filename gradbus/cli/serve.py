@@ -260,10 +260,15 @@ def _run_cluster(cluster, stop: threading.Event, policy=None) -> None:
 @click.option("--log", "log_dir", default=None, type=click.Path(exists=True, file_okay=False),
               help="The broker's update log (--log-dir): replay it on top of the checkpoints "
                    "up to --at, so the state is exact to the update.")
+@click.option("--fallback-to-older", "fallback", is_flag=True,
+              help="If a shard's newest checkpoint is damaged, use its newest undamaged one "
+                   "(each skipped checkpoint is named in a warning).")
 @click.option("--dry-run", is_flag=True, help="Print what would be restored and exit.")
-def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry_run):
+def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, fallback, dry_run):
     """Start a local cluster from checkpoints: one shard per checkpointed shard id, each loading
-    its newest checkpoint at or before --at, in the foreground until Ctrl-C or SIGTERM."""
+    its newest checkpoint at or before --at, in the foreground until Ctrl-C or SIGTERM. Every
+    checkpoint chosen is checked in full first: a damaged one is refused, naming the file, or
+    with --fallback-to-older skipped for an older one."""
     from gradbus.cluster import LocalCluster
     from gradbus.shards import checkpoint
     when = opts.parse_time(at)
@@ -272,12 +277,8 @@ def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry
                                  "history it reads (leave --data-dir out for a new folder "
                                  f"{os.path.join(source, RESTORES, '<time>')})",
                                  param_hint="--data-dir")
-    chosen = {}
     ids = checkpoint.shards_in(source) or (["shard-0"] if log_dir else [])
-    for sid in ids:
-        ck = checkpoint.newest(source, sid, when)
-        if ck is not None:
-            chosen[sid] = ck
+    chosen = _choose_checkpoints(source, ids, when, at, fallback)
     if not chosen and not log_dir:
         raise click.ClickException(f"no checkpoint in {source}"
                                    + (f" taken at or before {at}" if at else ""))
@@ -297,6 +298,46 @@ def restore(source, at, port, host, partitions, replicas, data_dir, log_dir, dry
 
 
 RESTORES = "restores"     # FROM/restores/<time>/: the checkpoints of clusters restored from FROM
+
+
+def _choose_checkpoints(source: str, ids: list[str], when: float | None, at: str | None,
+                        fallback: bool) -> dict:
+    """Each shard id's newest checkpoint at or before ``when``, loaded in full to check it (a
+    shard id without one is left out: it starts empty). A damaged one is refused naming the
+    file, or with ``fallback`` skipped for the next older, each skip said on stderr; a shard
+    whose every checkpoint there is damaged is refused either way."""
+    import logging
+
+    from gradbus.shards import checkpoint
+    skipped: list[str] = []
+
+    class Say(logging.Handler):     # the skips checkpoint.newest logs, as warnings here
+        def emit(self, record):
+            skipped.append(record.getMessage())
+            click.echo(f"warning: {record.getMessage()}", err=True)
+    say, logger = Say(logging.WARNING), logging.getLogger(checkpoint.log.name)
+    logger.addHandler(say)
+    chosen = {}
+    try:
+        for sid in ids:
+            del skipped[:]
+            ck = checkpoint.newest(source, sid, when, fallback=fallback)
+            if ck is None:
+                if skipped:
+                    raise click.ClickException(
+                        f"every checkpoint of {sid} in {source}"
+                        + (f" taken at or before {at}" if at else "")
+                        + " is damaged (see the warnings above)")
+                continue
+            if not fallback:
+                checkpoint.load(ck)     # with fallback, newest loaded it already
+            chosen[sid] = ck
+    except checkpoint.DamagedCheckpoint as e:
+        raise click.ClickException(f"{e} (--fallback-to-older restores the newest undamaged "
+                                   f"checkpoint instead)") from None
+    finally:
+        logger.removeHandler(say)
+    return chosen
 
 
 def _same_dir(a: str, b: str) -> bool:

@@ -2,16 +2,21 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import traceback
 import weakref
 
+import numpy as np
 import pytest
 import zmq
 
 from gradbus.cluster import LocalCluster
+from gradbus.codecs import security
+from gradbus.shards import checkpoint
 
+from . import rigs
 from .rigs import cluster_cores, replica_mismatches, state_problems, wait_for, zombie_or_gone
 
 try:   # CI runs the property tests on fixed examples (reproducible); locally they stay random
@@ -168,3 +173,47 @@ def make_cluster():
             assert not os.path.exists(f"/proc/{pid}") or zombie_or_gone(pid)
     if problems:
         pytest.fail("cluster state at teardown: " + "; ".join(problems))
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    """Checkpoints at t=1 and t=2 of one shard, with pushes between them (so every partition
+    is at another seq in the second)."""
+    rig = rigs.RepRig(("s0",))
+    frames, layout = rigs.init_msg(1, "w", np.arange(40, dtype=np.float32), opt=rigs.ADAM)
+    rig.client(b"c", frames)
+    rng = np.random.default_rng(0)
+    root = str(tmp_path / "data")
+    cks = []
+    for t in (1.0, 2.0):
+        for m in range(int(t) * 10, int(t) * 10 + 5):
+            rig.client(b"c", rigs.push_msg(m, layout, rng.standard_normal(40).astype(np.float32)))
+        cks.append(checkpoint.write(root, "s0", rig.shards["s0"].states(), keep=3, now=t))
+    assert cks[0].partitions != cks[1].partitions
+    return root, cks[0], cks[1]
+
+
+@pytest.fixture
+def refusing_broker(tmp_path):
+    """A CURVE broker process whose allow directory is empty, and an outsider's key pair."""
+    keys = tmp_path / "keys"
+    security.generate(keys, "broker")
+    _, outsider = security.generate(keys, "outsider")
+    allow = tmp_path / "allow"
+    allow.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "gradbus", "broker", "--port", "0",
+                             "--curve-secret", str(keys / "broker.key_secret"),
+                             "--curve-allow", str(allow)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("listening: "), line
+        yield line.split(" ", 1)[1], outsider, str(keys / "broker.key")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

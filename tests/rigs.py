@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from unittest import mock
 
@@ -17,11 +22,12 @@ import numpy as np
 import pytest
 import zmq
 
+import gradbus
 from gradbus.broker.actions import Publish, ToClient, ToShard
 from gradbus.broker.core import BrokerCore
 from gradbus.codecs import jit, net, security, specs, wire
 from gradbus.codecs.partition import TensorLayout
-from gradbus.shards import backend
+from gradbus.shards import backend, checkpoint
 from gradbus.shards.core import ShardCore
 
 # The half-precision codecs' two paths: numba's loops where numba imports, numpy everywhere.
@@ -324,3 +330,75 @@ def state_problems(cores) -> list[str]:
         except (AssertionError, RuntimeError) as e:
             out.append(f"{type(core).__name__} {getattr(core, 'shard_id', '')}: {e}".strip())
     return out
+
+
+# ---- restores and damaged checkpoints ------------------------------------------------------
+
+CHECKPOINT_DAMAGES = ["manifest", "older_file", "missing_file", "header_byte"]
+
+
+def damage_checkpoint(kind: str, old: checkpoint.Checkpoint, new: checkpoint.Checkpoint) -> str:
+    """Damage ``new`` the ``kind`` way; the file damaged."""
+    if kind == "manifest":
+        path = os.path.join(new.path, checkpoint.MANIFEST)
+        with open(path, "wb") as f:
+            f.write(b"\x93garbage, not a manifest")
+        return path
+    p = new.partitions[0][0]
+    path = os.path.join(new.path, f"p{p:05d}.gbs")
+    if kind == "older_file":
+        shutil.copyfile(os.path.join(old.path, f"p{p:05d}.gbs"), path)
+    elif kind == "missing_file":
+        os.remove(path)
+    else:
+        with open(path, "rb") as f:
+            data = bytearray(f.read())
+        at = data.index(wire.STATE.encode(), len(checkpoint.MAGIC) + 4)   # the kind's value
+        data[at] ^= 0x01
+        with open(path, "wb") as f:
+            f.write(bytes(data))
+    return path
+
+
+def restore_process(*args):
+    return subprocess.Popen([sys.executable, "-m", "gradbus", "restore", "--port", "0", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def restore_ready(proc, timeout=60.0) -> tuple[str, list[str]]:
+    """The restored cluster's URL, and what it said before."""
+    said, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"exited with {proc.wait()}: {said}")
+        if line.startswith("ready: "):
+            return line.split(" ", 1)[1].strip(), said
+        said.append(line.rstrip("\n"))
+    raise AssertionError("never ready")
+
+
+def restore_stop(proc) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(30)
+    finally:
+        proc.stdout.close()
+
+
+def restored_serves(args, version: int, push: bool = False) -> tuple[np.ndarray, list[str]]:
+    """``w`` as a cluster restored with ``args`` serves it at ``version``; with ``push``, one
+    more push of ones is applied (and acknowledged) before the restored cluster stops."""
+    proc = restore_process(*args)
+    try:
+        url, said = restore_ready(proc)
+        with gradbus.connect(url) as c:
+            w = c.pull(["w"], min_version=version, timeout=30)["w"].copy()
+            assert c.version("w") == version
+            if push:
+                c.push({"w": np.ones_like(w)}).result(10)
+                c.pull(["w"], min_version=version + 1, timeout=30)
+    finally:
+        assert restore_stop(proc) == 0
+    return w, said

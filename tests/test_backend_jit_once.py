@@ -20,7 +20,6 @@ HANG = 120
 
 def racing_first_calls_workload() -> None:
     from gradbus.codecs import jit
-
     from gradbus.shards import backend
     calls: list = []
     release = threading.Event()

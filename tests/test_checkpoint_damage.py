@@ -4,63 +4,17 @@ header byte. Restore falls back to an older checkpoint only when told to, and th
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from gradbus.codecs import wire
 from gradbus.codecs.errors import WireError
 from gradbus.shards import checkpoint
 
-from .rigs import ADAM, RepRig, init_msg, push_msg
-
-DAMAGES = ["manifest", "older_file", "missing_file", "header_byte"]
-
-
-@pytest.fixture
-def two_checkpoints(tmp_path):
-    """Checkpoints at t=1 and t=2 of one shard, with pushes between them (so every partition
-    is at another seq in the second)."""
-    rig = RepRig(("s0",))
-    frames, layout = init_msg(1, "w", np.arange(40, dtype=np.float32), opt=ADAM)
-    rig.client(b"c", frames)
-    rng = np.random.default_rng(0)
-    root = str(tmp_path / "data")
-    cks = []
-    for t in (1.0, 2.0):
-        for m in range(int(t) * 10, int(t) * 10 + 5):
-            rig.client(b"c", push_msg(m, layout, rng.standard_normal(40).astype(np.float32)))
-        cks.append(checkpoint.write(root, "s0", rig.shards["s0"].states(), keep=3, now=t))
-    assert cks[0].partitions != cks[1].partitions
-    return root, cks[0], cks[1]
-
-
-def _damage(kind: str, old: checkpoint.Checkpoint, new: checkpoint.Checkpoint) -> str:
-    """Damage ``new`` the ``kind`` way; the file damaged."""
-    if kind == "manifest":
-        path = os.path.join(new.path, checkpoint.MANIFEST)
-        with open(path, "wb") as f:
-            f.write(b"\x93garbage, not a manifest")
-        return path
-    p = new.partitions[0][0]
-    path = os.path.join(new.path, f"p{p:05d}.gbs")
-    if kind == "older_file":
-        shutil.copyfile(os.path.join(old.path, f"p{p:05d}.gbs"), path)
-    elif kind == "missing_file":
-        os.remove(path)
-    else:
-        with open(path, "rb") as f:
-            data = bytearray(f.read())
-        at = data.index(wire.STATE.encode(), len(checkpoint.MAGIC) + 4)   # the kind's value
-        data[at] ^= 0x01
-        with open(path, "wb") as f:
-            f.write(bytes(data))
-    return path
-
+from .rigs import CHECKPOINT_DAMAGES as DAMAGES
+from .rigs import damage_checkpoint as _damage
 
 WHAT = {"manifest": "not a msgpack manifest",
         "older_file": "where the MANIFEST says partition",

@@ -3,7 +3,6 @@ to a folder of their own, so every `restore --from D [--at T]` finds afterwards 
 before."""
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import time
@@ -15,51 +14,8 @@ import gradbus
 from gradbus import admin
 from gradbus.shards import checkpoint
 
+from .rigs import restored_serves as _serves
 from .rigs import wait_for
-
-
-def _restore(*args):
-    return subprocess.Popen([sys.executable, "-m", "gradbus", "restore", "--port", "0", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-
-
-def _ready(proc, timeout=60.0) -> tuple[str, list[str]]:
-    """The restored cluster's URL, and what it said before."""
-    said, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"exited with {proc.wait()}: {said}")
-        if line.startswith("ready: "):
-            return line.split(" ", 1)[1].strip(), said
-        said.append(line.rstrip("\n"))
-    raise AssertionError("never ready")
-
-
-def _stop(proc) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(30)
-    finally:
-        proc.stdout.close()
-
-
-def _serves(args, version: int, push: bool = False) -> tuple[np.ndarray, list[str]]:
-    """``w`` as a cluster restored with ``args`` serves it at ``version``; with ``push``, one
-    more push of ones is applied (and acknowledged) before the restored cluster stops."""
-    proc = _restore(*args)
-    try:
-        url, said = _ready(proc)
-        with gradbus.connect(url) as c:
-            w = c.pull(["w"], min_version=version, timeout=30)["w"].copy()
-            assert c.version("w") == version
-            if push:
-                c.push({"w": np.ones_like(w)}).result(10)
-                c.pull(["w"], min_version=version + 1, timeout=30)
-    finally:
-        assert _stop(proc) == 0
-    return w, said
 
 
 def test_restoring_at_a_time_leaves_the_history_it_reads_as_it_was(make_cluster, tmp_path):

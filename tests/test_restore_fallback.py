@@ -16,10 +16,10 @@ import gradbus
 from gradbus import admin
 from gradbus.shards import checkpoint
 
-from .conftest import wait_for
-from .test_checkpoint_damage import DAMAGES, _damage
-from .test_checkpoint_damage import two_checkpoints  # noqa: F401 - a fixture
-from .test_restore import _serves
+from .rigs import CHECKPOINT_DAMAGES as DAMAGES
+from .rigs import damage_checkpoint as _damage
+from .rigs import restored_serves as _serves
+from .rigs import wait_for
 
 
 def _restore(*args: str) -> subprocess.CompletedProcess:

@@ -28,8 +28,7 @@ from gradbus.codecs import security, wire
 from gradbus.shards.registration import Connect, Phase, Registration
 
 from .child import in_child
-from .conftest import wait_for
-from .test_curve_timeouts import refusing_broker  # noqa: F401 - a fixture
+from .rigs import wait_for
 
 TIMEOUT = 2.0       # the shards' hello timeout in the child workloads
 HANG = 120          # a child still running after this many seconds hangs
@@ -78,7 +77,6 @@ def refused_backend_workload(url: str, secret: str, server_key: str, allowed: st
     else as it comes (several times)."""
     from gradbus.codecs import net
     from gradbus.codecs.errors import SecurityError
-
     from gradbus.shards.server import ShardServer
     curve = security.Curve.from_files(secret, server_key)
     key = open(allowed, "rb").read()

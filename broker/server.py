@@ -26,7 +26,7 @@ import time
 
 import zmq
 
-from gradbus.codecs import net, security
+from gradbus.codecs import net, security, wire
 
 from . import log as ulog
 from .actions import AppendLog, Publish, ReadLog, SyncLog, ToClient, ToShard
@@ -73,6 +73,7 @@ class BrokerServer:
             self.close()
             raise
         self.core.ports = {"events": self.events_port, "backend": self.backend_port}
+        self.core.catalog.pulse = self._pulse
         self.stopping = threading.Event()
         self.send_failures = 0
 
@@ -219,6 +220,16 @@ class BrokerServer:
                     next_tick = now + tick_every
         finally:
             self.close()
+
+    def _pulse(self) -> None:
+        """Heartbeats to the shards in the middle of one long request (a large INIT's plan),
+        when one is due: a shard judges the broker by them and would otherwise reconnect."""
+        core = self.core
+        now = self.clock()
+        if now - core.last_hb_sent >= core.settings.heartbeat_interval:
+            core.last_hb_sent = now
+            hb = wire.pack(wire.HEARTBEAT)
+            self._do([ToShard(s.identity, [hb]) for s in core.members.live_shards()])
 
     def _drain_subscriptions(self) -> None:
         for _ in range(DRAIN_MAX):

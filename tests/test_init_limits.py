@@ -83,3 +83,46 @@ def test_push_cnt_is_bounded():
             with pytest.raises(gradbus.GradbusError, match="cnt") as e:
                 wire.parse_tensors(h, [buf])
             assert e.value.code == Code.BAD_FIELD
+
+
+def test_a_long_init_plan_pulses_and_the_pulse_heartbeats_the_shards():
+    """The catalog calls the loop's pulse while it plans a large INIT, and the pulse sends the
+    live shards a heartbeat when one is due, so no single request silences the broker for
+    longer than a heartbeat interval plus PULSE_EVERY tensors."""
+    import zmq
+
+    from gradbus.broker import catalog
+    from gradbus.broker.server import BrokerServer
+
+    b = _core_with_shard()
+    calls = []
+    b.catalog.pulse = lambda: calls.append(1)
+    n = 3 * catalog.PULSE_EVERY + 1
+    metas = [{**TensorLayout(f"t{i}", "float32", (4,), 4).to_wire(), "init": {"name": "zeros"}}
+             for i in range(n)]
+    b.on_frontend(b"c", [wire.pack(wire.INIT, msg=1, opt=specs.SGD(lr=0.1).to_wire(),
+                                   tensors=metas)], 0.0)
+    assert len(calls) == 4 and len(b.catalog.tensors) == n
+
+    t = [100.0]
+    srv = BrokerServer(port=0, clock=lambda: t[0])
+    shard = srv.ctx.socket(zmq.DEALER)
+    try:
+        assert srv.core.catalog.pulse == srv._pulse
+        shard.setsockopt(zmq.ROUTING_ID, b"s0")
+        shard.connect(f"tcp://127.0.0.1:{srv.backend_port}")
+        srv.core.on_backend(b"s0", [wire.pack(wire.REGISTER, shard="s0")], t[0])
+        srv.core.last_hb_sent = t[0]
+        srv._pulse()                       # not due yet: nothing sent
+        assert not shard.poll(200)
+        t[0] += srv.core.settings.heartbeat_interval
+        for _ in range(50):                # the ROUTER learns the peer once connected
+            srv._pulse()
+            if shard.poll(100):
+                break
+            srv.core.last_hb_sent = 0.0
+        got = wire.unpack_header(shard.recv(), wire.SHARD_KINDS)
+        assert got["kind"] == wire.HEARTBEAT
+    finally:
+        shard.close(linger=0)
+        srv.close()

@@ -183,7 +183,7 @@ def test_stalled_shard_many_producers_memory_bounded_status_answered_nothing_los
     print(f"broker RSS: baseline {rss0:.1f} MiB, peak {peak:.1f} MiB over {len(samples)} "
           f"samples, bound {bound:.1f} MiB; status answered {answered}x; busy {busy_seen}; "
           f"flooder {res}")
-    assert answered >= 2 and busy_seen > 0 and res["busy"] > 0 and not res["other"]
+    assert answered >= 1 and busy_seen > 0 and res["busy"] > 0 and not res["other"]
     assert res["acked"] + res["busy"] == res["sent"]          # every push answered
     assert all(c.stats["push_errors"] == 0 for c in clients)
     assert sum(c.stats["busy_retries"] for c in clients) > 0

@@ -37,9 +37,10 @@ from .flow import ByteCap
 log = logging.getLogger("gradbus.broker")
 
 EVENTS_SNDHWM = 64        # messages queued per subscriber before XPUB drops (clients re-snapshot)
-FRONTEND_RCVHWM = 1000    # messages queued per client before TCP back-pressure; the loop reads
-                          # the frontend always (the byte cap refuses pushes past it), so this
-                          # holds only what arrived since the last read
+FRONTEND_RCVHWM = 16      # messages libzmq queues per client connection before TCP back-pressure:
+                          # the loop reads the frontend always (the byte cap refuses pushes past
+                          # it), so a deep queue buys nothing, and what it may hold in a stalled
+                          # loop is part of the memory bound (docs/operations.md)
 FRONTEND_SNDHWM = 10000   # replies queued per client; replies are small and bounded by its window,
                           # and a reply that still finds the queue full is counted and dropped
 DRAIN_MAX = 512           # messages read from one socket before flushing

@@ -3,6 +3,7 @@ the checks of what clients name in pushes, reads and INITs, and the planning of 
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -71,6 +72,23 @@ class InitPlan:
     tables: list          # (name, settings)
 
 
+PULSE_EVERY = 256     # INIT tensors planned between two calls of the loop's pulse
+
+
+def check_finite(key: str, desc, frame, max_tensor_bytes: int) -> None:
+    """NOT_FINITE when an INIT's initial values hold NaN or Inf, as a pushed gradient's do
+    (nothing is created)."""
+    if desc.codec == "raw":    # the frame's bytes as they are (the shard checks the checksum)
+        buf = frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+        vals = np.frombuffer(buf, desc.dtype)
+    else:
+        vals = wire.decode_tensor(desc, frame, max_tensor_bytes)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if math.isfinite(np.add.reduce(vals, axis=None)) or bool(np.isfinite(vals).all()):
+            return
+    raise WireError(Code.NOT_FINITE, f"{key}: initial values hold NaN or Inf")
+
+
 class Catalog:
     def __init__(self, partitions: int, settings, meters, check_recovering):
         self.P = partitions
@@ -79,6 +97,9 @@ class Catalog:
         self.check_recovering = check_recovering    # (what, known elsewhere) -> None or raises
         self.tensors: dict[str, Tensor] = {}
         self.tables: dict[str, Table] = {}
+        # () -> None, set by the loop: called every PULSE_EVERY tensors of an INIT's plan, so a
+        # large INIT does not hold back the heartbeats shards judge the broker's liveness by
+        self.pulse = None
 
     # ------------------------------------------------------------------ lookups
     def block(self, key: str) -> tuple[Tensor, int]:
@@ -194,7 +215,11 @@ class Catalog:
         descs = wire.parse_tensors(h, frames, self.settings.max_tensor_bytes)
         given = {d.key: (d, raw, fr) for d, raw, fr in zip(descs, h.get("t", []), frames)}
         created, existing, plan = [], [], []
-        for t in h["tensors"]:
+        named = set()       # created, as a set: a 10,000-tensor INIT is not quadratic
+        pulse = self.pulse
+        for n, t in enumerate(h["tensors"]):
+            if pulse is not None and not n % PULSE_EVERY:
+                pulse()
             layout, rule = self.check_tensor(t)
             cur = self.tensors.get(layout.name)
             if layout.name in self.tables:
@@ -209,7 +234,7 @@ class Catalog:
                                     f"{layout.dtype}{list(layout.shape)}")
                 existing.append(layout.name)
                 continue
-            if layout.name in created:
+            if layout.name in named:
                 raise WireError(Code.BAD_REQUEST, f"{layout.name} named twice")
             for i, key in enumerate(layout.block_keys()):
                 p = partition_of(key, self.P)
@@ -222,8 +247,10 @@ class Catalog:
                     if g is None or g[0].shape != (stop - start,) or g[0].dtype != layout.dtype:
                         raise WireError(Code.BAD_SHAPE, f"{key}: initial values missing or not "
                                                         f"{layout.dtype}[{stop - start}]")
+                    check_finite(key, g[0], g[2], self.settings.max_tensor_bytes)
                 plan.append((layout, rule, key, p, g))
             created.append(layout.name)
+            named.add(layout.name)
         new_tables = self._plan_tables(h.get("tables"), created, existing, table.available)
         return InitPlan(opt, cons, created, existing, plan, new_tables)
 

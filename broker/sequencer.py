@@ -24,6 +24,7 @@ class Batch:
     errors: dict | None = None     # entry index -> (code, message), from the first APPLIED
     primary_done: bool = False
     epoch: int = 0                 # the partition's epoch when it was sent
+    nbytes: int = 0                # its tensor frames' bytes (counted in held_bytes)
 
 
 class Sequencer:
@@ -38,11 +39,24 @@ class Sequencer:
         self.published_seq: dict[int, int] = {}   # p -> last seq whose UPDATE went out on events
         self.pending_entries: dict[int, list] = defaultdict(list)   # p -> [(entry, desc, frame, ref)]
         self.pending_bytes = 0
+        self.inflight_bytes = 0             # tensor bytes of the batches in self.inflight
         self.inflight: dict[tuple[int, int], Batch] = {}             # (p, seq) -> batch
         self.pcount = [0] * partitions      # gradients batched into p since the last rate fold
 
     def accepting(self) -> bool:
         return self.pending_bytes < self.settings.max_pending_bytes
+
+    @property
+    def held_bytes(self) -> int:
+        """Tensor bytes the broker holds: queued, and in batches not yet applied (their frames
+        may still sit in a send queue to a shard that does not read)."""
+        return self.pending_bytes + self.inflight_bytes
+
+    def done(self, key: tuple) -> Batch:
+        """A batch leaves the in-flight set (applied by all it waited for, or failed)."""
+        b = self.inflight.pop(key)
+        self.inflight_bytes -= b.nbytes
+        return b
 
     # ------------------------------------------------------------------ queueing
     def enqueue(self, p: int, entry: dict, raw_desc, frame, ref) -> None:
@@ -69,7 +83,7 @@ class Sequencer:
         """Forget what is in flight or queued for p; returns their refs, in order."""
         refs = []
         for key in [k for k in self.inflight if k[0] == p]:
-            refs += self.inflight.pop(key).refs
+            refs += self.done(key).refs
         for _entry, _raw, fr, ref in self.pending_entries.pop(p, []):
             if fr is not None:
                 self.pending_bytes -= wire.frame_len(fr)
@@ -136,21 +150,23 @@ class Sequencer:
                 else:
                     del self.pending_entries[p]
                 self.seq[p] += 1
-                ents, refs = [], []
+                ents, refs, held = [], [], 0
                 for entry, raw, fr, ref in batch:
                     if fr is not None:
                         entry["i"] = len(frames)   # the entry dict is this batch's alone
                         t_list.append(raw)
                         frames.append(fr)
-                        self.pending_bytes -= wire.frame_len(fr)
+                        held += wire.frame_len(fr)
                     ents.append(entry)
                     refs.append(ref)
+                self.pending_bytes -= held
+                self.inflight_bytes += held
                 header_parts.append({"p": p, "seq": self.seq[p], "epoch": epochs[p],
                                      "o": primary, "e": ents})
                 self.pcount[p] += len(ents)
                 self.meters.h_batch.observe(len(ents))
                 self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys},
-                                                        epoch=epochs[p])
+                                                        epoch=epochs[p], nbytes=held)
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
             if self.log_policy is not None:
                 self.log_policy.append(actions, header_parts, t_list, frames, wall(), now)
@@ -166,6 +182,9 @@ class Sequencer:
                      for _, _, fr, _ in es if fr is not None)
         if queued != self.pending_bytes:
             problems.append(f"pending_bytes {self.pending_bytes}, queued frames hold {queued}")
+        if self.inflight_bytes != sum(b.nbytes for b in self.inflight.values()):
+            problems.append(f"inflight_bytes {self.inflight_bytes}, in-flight batches hold "
+                            f"{sum(b.nbytes for b in self.inflight.values())}")
         for (p, seq), b in self.inflight.items():
             if not b.waiting:
                 problems.append(f"in-flight batch {p}/{seq} waits for nobody")

@@ -26,17 +26,21 @@ import time
 
 import zmq
 
-from gradbus.codecs import net, security
+from gradbus.codecs import net, security, wire
 
 from . import log as ulog
 from .actions import AppendLog, Publish, ReadLog, SyncLog, ToClient, ToShard
 from .core import BrokerCore
 from .faults import FaultInjector
+from .flow import ByteCap
 
 log = logging.getLogger("gradbus.broker")
 
 EVENTS_SNDHWM = 64        # messages queued per subscriber before XPUB drops (clients re-snapshot)
-FRONTEND_RCVHWM = 1000    # messages queued from clients before TCP back-pressure
+FRONTEND_RCVHWM = 16      # messages libzmq queues per client connection before TCP back-pressure:
+                          # the loop reads the frontend always (the byte cap refuses pushes past
+                          # it), so a deep queue buys nothing, and what it may hold in a stalled
+                          # loop is part of the memory bound (docs/operations.md)
 FRONTEND_SNDHWM = 10000   # replies queued per client; replies are small and bounded by its window,
                           # and a reply that still finds the queue full is counted and dropped
 DRAIN_MAX = 512           # messages read from one socket before flushing
@@ -62,6 +66,8 @@ class BrokerServer:
         # the core's event handlers, through fault injection when there is some
         self.handlers = FaultInjector(self.core, fault_drop, fault_seed) if fault_drop \
             else self.core
+        # the frontend's messages, through the byte cap on held tensor data
+        self.on_frontend = ByteCap(self.core, self.handlers.on_frontend)
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
         self.host = host
@@ -73,6 +79,7 @@ class BrokerServer:
             self.close()
             raise
         self.core.ports = {"events": self.events_port, "backend": self.backend_port}
+        self.core.catalog.pulse = self._pulse
         self.stopping = threading.Event()
         self.send_failures = 0
 
@@ -172,19 +179,12 @@ class BrokerServer:
         poller = zmq.Poller()
         poller.register(self.backend, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)   # subscription notices: read and discarded
-        front_registered = False
+        poller.register(self.frontend, zmq.POLLIN)  # always: the byte cap holds producers back
         tick_every = self.core.settings.heartbeat_interval / 2
         next_tick = self.clock()
         first_pending = None
         try:
             while not self.stopping.is_set():
-                accepting = self.core.accepting()
-                if accepting and not front_registered:
-                    poller.register(self.frontend, zmq.POLLIN)
-                    front_registered = True
-                elif not accepting and front_registered:
-                    poller.unregister(self.frontend)   # back-pressure: clients' HWM fills
-                    front_registered = False
                 now = self.clock()
                 timeout = max(0.0, next_tick - now)
                 if first_pending is not None:
@@ -194,8 +194,8 @@ class BrokerServer:
                     self._drain_subscriptions()
                 if self.backend in events:
                     self._drain(self.backend, self.handlers.on_backend, DRAIN_MAX)
-                if front_registered and self.frontend in events:
-                    self._drain(self.frontend, self.handlers.on_frontend, DRAIN_MAX)
+                if self.frontend in events:
+                    self._drain(self.frontend, self.on_frontend, DRAIN_MAX)
                 now = self.clock()
                 if self.core.has_flushable():
                     # Work a shard could take now. (Entries waiting on a shard without credit
@@ -219,6 +219,16 @@ class BrokerServer:
                     next_tick = now + tick_every
         finally:
             self.close()
+
+    def _pulse(self) -> None:
+        """Heartbeats to the shards in the middle of one long request (a large INIT's plan),
+        when one is due: a shard judges the broker by them and would otherwise reconnect."""
+        core = self.core
+        now = self.clock()
+        if now - core.last_hb_sent >= core.settings.heartbeat_interval:
+            core.last_hb_sent = now
+            hb = wire.pack(wire.HEARTBEAT)
+            self._do([ToShard(s.identity, [hb]) for s in core.members.live_shards()])
 
     def _drain_subscriptions(self) -> None:
         for _ in range(DRAIN_MAX):

@@ -90,7 +90,7 @@ class Settlement:
                 if pend is not None and pend.acks != ALL:
                     out += self.settle(ref, errors.get(i))
         if not b.waiting:
-            del self.sequencer.inflight[(p, seq)]
+            self.sequencer.done((p, seq))
             for i, ref in enumerate(b.refs):
                 pend = self.pending.get(ref)
                 if pend is not None and pend.acks == ALL:

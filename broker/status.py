@@ -16,6 +16,8 @@ _BROKER_COUNTERS = (
      "Gradient bytes received, decoded (dense parameter bytes)."),
     ("batches", "batches", "Batch messages sent to shards."),
     ("duplicates", "duplicates", "Pushes or inits received again (resends) and not applied again."),
+    ("busy_refusals", "busy",
+     "Pushes or inits refused with BUSY: the broker held its byte cap (--max-pending-mb)."),
     ("failovers", "failovers", "Partitions whose primary was replaced by a standby."),
     ("shard_deaths", "shards_lost",
      "Shards declared dead (silent past liveness, bye, or restarted)."),
@@ -73,7 +75,8 @@ def status(core, now: float) -> dict:
             "moves_in_progress": [{"p": p, **mv} for p, mv in sorted(rb.moves.items())],
             "draining": sorted(rb.draining),
             "shards": shards, "workers": workers, "tensors": tensors, "tables": tables,
-            "pending_bytes": sq.pending_bytes, "counters": dict(m.counters),
+            "pending_bytes": sq.pending_bytes, "held_bytes": sq.held_bytes,
+            "counters": dict(m.counters),
             "staleness": {"count": h.count, "p50": h.quantile(0.5), "p99": h.quantile(0.99),
                           "mean": round(h.sum / h.count, 3) if h.count else None},
             "errors": dict(m.errors)}
@@ -96,6 +99,9 @@ def metrics(core, now: float) -> dict:
                                                 dict(m.errors)),
         "gradbus_broker_pending_bytes": stats.gauge(
             "Tensor bytes queued in the broker, not yet sent to shards.", sq.pending_bytes),
+        "gradbus_broker_held_bytes": stats.gauge(
+            "Tensor bytes the broker holds: queued, and in batches not yet applied "
+            "(at most --max-pending-mb, or one larger message).", sq.held_bytes),
         "gradbus_broker_pending_entries": stats.gauge(
             "Entries queued in the broker.", sum(len(v) for v in sq.pending_entries.values())),
         "gradbus_broker_inflight_batches": stats.labelled(

@@ -32,6 +32,9 @@ class Code(str, enum.Enum):
                                            # consistency model allows (ssp refuse, bsp)
     RECOVERING = "RECOVERING"              # a restarted broker is still learning its table from
                                            # its shards: try again shortly (the SDK resends)
+    BUSY = "BUSY"                          # the broker holds its byte cap of tensor data: a push
+                                           # or init not accepted, to be sent again after a
+                                           # back-off (the SDK does; nothing was kept)
     FENCED = "FENCED"                      # a shard spoke for a partition it no longer holds
                                            # (failed over while it was away): refused, counted
     FORBIDDEN = "FORBIDDEN"                # the sender's CURVE key lacks the role the message

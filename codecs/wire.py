@@ -41,6 +41,8 @@ PROTOCOL = 1
 MAX_HEADER_BYTES = 4 << 20        # a header above this is refused before unpacking
 MAX_TENSORS = 65536               # tensors in one message
 MAX_TENSOR_BYTES = 1 << 30        # default cap on one decoded tensor (1 GiB)
+MAX_COUNT = 1 << 20               # most gradients one frame may sum (its ``cnt``): a tensor's
+                                  # version moves by at most this much per push
 MAX_NDIM = 8
 # Per-container limits for header unpacking: a 4 MiB header of millions of empty lists would
 # otherwise cost hundreds of MiB and seconds of the receiver's loop before any check runs.
@@ -265,8 +267,8 @@ def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
         _bad(Code.BAD_FIELD, f"{key}: ver must be a non-negative int")
     if base is not None and (type(base) is not int or base < 0):
         _bad(Code.BAD_FIELD, f"{key}: base must be a non-negative int")
-    if type(cnt) is not int or not 1 <= cnt <= 1 << 30:
-        _bad(Code.BAD_FIELD, f"{key}: cnt must be a positive int")
+    if type(cnt) is not int or not 1 <= cnt <= MAX_COUNT:
+        _bad(Code.BAD_FIELD, f"{key}: cnt must be an int in 1..{MAX_COUNT}")
     ids = d.get("ids")
     if ids is not None:
         if not isinstance(ids, bytes) or len(ids) % 8:

@@ -233,6 +233,11 @@ class AgentState:
                 # a restarted broker still hearing from its shards: send it again shortly
                 self.stats["recovering_retries"] += 1
                 return False
+            if (kind == wire.ERROR and h["code"] == Code.BUSY.value
+                    and resend.refused_busy(msg, self.clock())):
+                # the broker at its byte cap kept nothing of it: send it again after a back-off
+                self.stats["busy_retries"] += 1
+                return False
             resend.settled(msg)
         fut = self.msg_futures.pop(msg, None)
         if fut is None and msg not in self.credit.held:

@@ -7,7 +7,11 @@ sent again, and every round that resends something doubles ``delay`` (from ``RES
 to ``RESEND_MAX``); any settlement (an ACK, INIT_OK or ERROR) shows the broker answering and
 resets it to ``RESEND_AFTER``. A broker down for a while thus sees the window again after 5,
 10, 20, 40, then every 60 seconds, not every 5. A message refused with RECOVERING (a restarted
-broker still hearing from its shards) is sent again after ``RECOVERING_RETRY`` instead.
+broker still hearing from its shards) is sent again after ``RECOVERING_RETRY`` instead. One
+refused with BUSY (the broker at its byte cap kept nothing of it) is sent again after its own
+back-off: ``BUSY_RETRY`` doubled per refusal in a row, up to ``BUSY_MAX``, spread by the msg id
+so that producers refused together do not come back together; the round timer's delay is not
+reset by a BUSY (it is no settlement), so what the broker does hold is not sent again sooner.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import collections
 RESEND_AFTER = 5.0           # seconds before an unsettled push or init is first sent again ...
 RESEND_MAX = 60.0            # ... doubling per resend round up to this, until an answer comes
 RECOVERING_RETRY = 0.2       # seconds before a push or init refused with RECOVERING is resent
+BUSY_RETRY = 0.05            # seconds before a push or init refused with BUSY is resent, ...
+BUSY_MAX = 2.0               # ... doubling per BUSY in a row up to this
 
 
 class ResendTimer:
@@ -29,7 +35,8 @@ class ResendTimer:
         self.delay = base
         # msg -> [frames, last sent]; ordered by last sent (a resend moves it to the end)
         self.unsettled: collections.OrderedDict = collections.OrderedDict()
-        self.soon: dict[int, float] = {}   # msg -> when, refused with RECOVERING
+        self.soon: dict[int, float] = {}   # msg -> when, refused with RECOVERING or BUSY
+        self.busy: dict[int, int] = {}     # msg -> BUSY refusals in a row
 
     def __contains__(self, msg: int) -> bool:
         return msg in self.unsettled
@@ -44,6 +51,7 @@ class ResendTimer:
         """The broker answered ``msg``: forget it, and back to the first delay."""
         self.unsettled.pop(msg, None)
         self.soon.pop(msg, None)
+        self.busy.pop(msg, None)
         self.delay = self.base
 
     def refused_recovering(self, msg: int, now: float) -> bool:
@@ -51,6 +59,16 @@ class ResendTimer:
         if msg not in self.unsettled:
             return False
         self.soon[msg] = now + self.recovering
+        return True
+
+    def refused_busy(self, msg: int, now: float) -> bool:
+        """The broker kept nothing of ``msg`` (BUSY): send it again after its back-off; False
+        when it is not waiting (answered already)."""
+        if msg not in self.unsettled:
+            return False
+        n = self.busy[msg] = self.busy.get(msg, 0) + 1
+        delay = min(BUSY_RETRY * 2 ** min(n - 1, 30), BUSY_MAX)
+        self.soon[msg] = now + delay * (1.0 + (msg * 2654435761 % 1024) / 2048)  # x [1, 1.5)
         return True
 
     def next_at(self) -> float | None:
@@ -90,4 +108,5 @@ class ResendTimer:
         times = [t for _, t in self.unsettled.values()]
         assert times == sorted(times), "unsettled messages out of send order"
         assert self.soon.keys() <= self.unsettled.keys()
+        assert self.busy.keys() <= self.unsettled.keys()
         assert self.base <= self.delay <= self.cap

@@ -40,7 +40,8 @@ from gradbus.codecs.partition import DEFAULT_PARTITIONS
 @click.option("--shard-credit", default=SHARD_CREDIT, show_default=True, type=click.IntRange(1, 1024),
               help="Batches in flight to one shard.")
 @click.option("--max-pending-mb", default=512, show_default=True, type=click.IntRange(1),
-              help="Queued tensor MiB above which the broker stops reading clients.")
+              help="Tensor MiB the broker holds (queued, and in flight to shards) at "
+                   "most; a push past it is refused with BUSY and sent again.")
 @replicas_option
 @heartbeat_options
 @click.option("--fault-drop", default=0.0, type=click.FloatRange(0, 0.5), hidden=True,

@@ -129,7 +129,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("broker", "shard_credit", click.IntRange(1, 1024), SHARD_CREDIT,
             "Batches in flight to one shard.", feeds=("broker --shard-credit",)),
     Setting("broker", "max_pending_mb", click.IntRange(1), 512,
-            "Tensor MiB the broker holds (queued, and in flight to shards) at most; a push past it is refused with BUSY and sent again.",
+            "Tensor MiB the broker holds (queued, and in flight to shards) at most; a push past "
+            "it is refused with BUSY and sent again.",
             feeds=("broker --max-pending-mb",)),
     Setting("broker", "replicas", click.IntRange(1, 16), 1,
             "Copies of every partition: a primary and replicas-1 hot standbys on other shards.",

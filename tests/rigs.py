@@ -7,14 +7,19 @@ it. Fixtures live in ``conftest.py``; test modules import rigs and helpers from 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib.util
+import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from unittest import mock
 
 import msgpack
@@ -29,6 +34,12 @@ from gradbus.codecs import jit, net, security, specs, wire
 from gradbus.codecs.partition import TensorLayout
 from gradbus.shards import backend, checkpoint
 from gradbus.shards.core import ShardCore
+from gradbus.workers.agent_state import AgentState, Send
+from gradbus.workers.cache import WeightCache
+from gradbus.workers.commands import SendMessage
+from gradbus.workers.credit import CreditWindow
+from gradbus.workers.resend import ResendTimer
+from gradbus.workers.versions import Versions
 
 # The half-precision codecs' two paths: numba's loops where numba imports, numpy everywhere.
 JIT_PATHS = ["numpy", pytest.param("numba", marks=pytest.mark.skipif(
@@ -402,3 +413,106 @@ def restored_serves(args, version: int, push: bool = False) -> tuple[np.ndarray,
     finally:
         assert restore_stop(proc) == 0
     return w, said
+
+
+# ---- the client's agent state, driven without sockets ----------------------------------------
+
+class AgentClock:
+    """The injected monotonic clock: time moves only when a test says so."""
+
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make_agent_state(welcome=None, resend: ResendTimer | None = None, window: int = 8):
+    clock = AgentClock()
+    cond = threading.Condition()
+    state = AgentState(welcome if welcome is not None else {"partitions": 4},
+                       cache=WeightCache(4), cond=cond, credit=CreditWindow(window, 1 << 20, cond),
+                       versions=Versions(), stats=collections.Counter(),
+                       next_id=itertools.count(1).__next__,
+                       max_tensor_bytes=wire.MAX_TENSOR_BYTES, resend=resend, clock=clock)
+    return state, clock
+
+
+def agent_push(state: AgentState, msg: int, acks: int = 1) -> tuple[list, Future | None]:
+    """Hand ``state`` a push as Client does: credit first, then the command."""
+    state.credit.take(10, 1.0, lambda: msg, lambda: None, state.stats)
+    frames = [wire.pack(wire.PUSH, [], msg=msg, acks=acks)]
+    fut = Future() if acks else None
+    state.command(SendMessage(msg, frames, fut))
+    assert [a.frames for a in state.take()] == [frames]     # sent at once
+    state.validate_state()
+    return frames, fut
+
+
+def agent_feed(state: AgentState, header: bytes) -> None:
+    state.heard()
+    state.reply([header])
+    state.validate_state()
+
+
+def agent_resent(actions: list, frames: list) -> int:
+    return sum(1 for a in actions if isinstance(a, Send) and a.frames is frames)
+
+
+# ---- connections whose handshake fails -------------------------------------------------------
+
+def drop_pipe_after_connect() -> list:
+    """Make every DEALER's ``connect`` return only once libzmq dropped the connection's pipe
+    (its handshake failed) or after 10 s: the order in which a send right after connect used
+    to block for ever. Returns a list that gets one entry per connect whose pipe was gone."""
+    import zmq
+    plain = zmq.Socket.connect
+    dropped: list = []
+
+    def connect(self, addr):
+        out = plain(self, addr)
+        if self.socket_type == zmq.DEALER:
+            deadline = time.monotonic() + 10
+            while self.poll(0, zmq.POLLOUT) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            if not self.poll(0, zmq.POLLOUT):
+                dropped.append(addr)
+        return out
+    zmq.Socket.connect = connect
+    return dropped
+
+
+class TcpListener:
+    """A TCP listener on 127.0.0.1 that accepts every connection and either writes
+    ``answer`` to it or says nothing; closes them all at exit."""
+
+    def __init__(self, answer: bytes | None):
+        self.answer = answer
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, name="test-listener", daemon=True)
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+            if self.answer:
+                try:
+                    conn.sendall(self.answer)
+                except OSError:
+                    pass
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        self.thread.join(10)
+        for c in self.conns:
+            c.close()

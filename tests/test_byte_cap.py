@@ -10,8 +10,11 @@ from gradbus.codecs import wire
 from gradbus.codecs.errors import Code
 from gradbus.workers.resend import BUSY_MAX, BUSY_RETRY, ResendTimer
 
-from .test_client_agent import feed, make_state, push, resent
-from .test_state_machines import Rig, init_msg, push_msg, unpack
+from .rigs import Rig, init_msg, push_msg, unpack
+from .rigs import agent_feed as feed
+from .rigs import agent_push as push
+from .rigs import agent_resent as resent
+from .rigs import make_agent_state as make_state
 
 
 def _rig(cap: int):

@@ -2,9 +2,6 @@
 need a real broker (shutdown, the broker's heartbeat interval, answers to resends)."""
 from __future__ import annotations
 
-import collections
-import itertools
-import threading
 from concurrent.futures import Future
 
 import numpy as np
@@ -13,56 +10,15 @@ import pytest
 import gradbus
 from gradbus.codecs import timing, wire
 from gradbus.codecs.errors import Code, GradbusError
-from gradbus.workers.agent_state import AgentState, Send, Subscribe
-from gradbus.workers.cache import WeightCache
+from gradbus.workers.agent_state import Send, Subscribe
 from gradbus.workers.commands import ReadRows, Request, SendMessage, Stop, Track
-from gradbus.workers.credit import CreditWindow
 from gradbus.workers.resend import ResendTimer
-from gradbus.workers.versions import Versions
 
+from .rigs import agent_feed as feed
+from .rigs import agent_push as push
+from .rigs import agent_resent as resent
+from .rigs import make_agent_state as make_state
 from .rigs import wait_for
-
-
-class Clock:
-    """The injected monotonic clock: time moves only when a test says so."""
-
-    def __init__(self, t: float = 1000.0):
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def make_state(welcome=None, resend: ResendTimer | None = None, window: int = 8):
-    clock = Clock()
-    cond = threading.Condition()
-    state = AgentState(welcome if welcome is not None else {"partitions": 4},
-                       cache=WeightCache(4), cond=cond, credit=CreditWindow(window, 1 << 20, cond),
-                       versions=Versions(), stats=collections.Counter(),
-                       next_id=itertools.count(1).__next__,
-                       max_tensor_bytes=wire.MAX_TENSOR_BYTES, resend=resend, clock=clock)
-    return state, clock
-
-
-def push(state: AgentState, msg: int, acks: int = 1) -> tuple[list, Future | None]:
-    """Hand ``state`` a push as Client does: credit first, then the command."""
-    state.credit.take(10, 1.0, lambda: msg, lambda: None, state.stats)
-    frames = [wire.pack(wire.PUSH, [], msg=msg, acks=acks)]
-    fut = Future() if acks else None
-    state.command(SendMessage(msg, frames, fut))
-    assert [a.frames for a in state.take()] == [frames]     # sent at once
-    state.validate_state()
-    return frames, fut
-
-
-def feed(state: AgentState, header: bytes) -> None:
-    state.heard()
-    state.reply([header])
-    state.validate_state()
-
-
-def resent(actions: list, frames: list) -> int:
-    return sum(1 for a in actions if isinstance(a, Send) and a.frames is frames)
 
 
 # -- settling ----------------------------------------------------------------------------

@@ -11,13 +11,12 @@ Each scenario runs in a child interpreter under a subprocess timeout: the hang d
 """
 from __future__ import annotations
 
-import socket
-import threading
 import time
 
 from gradbus.codecs import security
 
 from .child import in_child
+from .rigs import TcpListener, drop_pipe_after_connect
 
 TIMEOUT = 2.0                # the timeout the calls to silent or garbage peers are given
 REFUSED_TIMEOUT = 30.0       # ... and the calls a broker refuses: long, so that a broker slow to
@@ -28,27 +27,6 @@ REPEATS = 200                # calls per scenario that race the handshake natura
 
 def _in_child(workload: str, *args) -> str:
     return in_child("tests.test_curve_timeouts", workload, *args, timeout=HANG)
-
-
-def drop_pipe_after_connect() -> list:
-    """Make every DEALER's ``connect`` return only once libzmq dropped the connection's pipe
-    (its handshake failed) or after 10 s: the order in which a send right after connect used
-    to block for ever. Returns a list that gets one entry per connect whose pipe was gone."""
-    import zmq
-    plain = zmq.Socket.connect
-    dropped: list = []
-
-    def connect(self, addr):
-        out = plain(self, addr)
-        if self.socket_type == zmq.DEALER:
-            deadline = time.monotonic() + 10
-            while self.poll(0, zmq.POLLOUT) and time.monotonic() < deadline:
-                time.sleep(0.005)
-            if not self.poll(0, zmq.POLLOUT):
-                dropped.append(addr)
-        return out
-    zmq.Socket.connect = connect
-    return dropped
 
 
 def _expect_error(call, errors, *match: str) -> None:
@@ -133,42 +111,6 @@ def silent_workload(url: str) -> None:
     print("OK")
 
 
-class _Listener:
-    """A TCP listener on 127.0.0.1 that accepts every connection and either writes
-    ``answer`` to it or says nothing; closes them all at exit."""
-
-    def __init__(self, answer: bytes | None):
-        self.answer = answer
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"tcp://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.conns: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, name="test-listener", daemon=True)
-
-    def _accept(self):
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            self.conns.append(conn)
-            if self.answer:
-                try:
-                    conn.sendall(self.answer)
-                except OSError:
-                    pass
-
-    def __enter__(self):
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.sock.shutdown(socket.SHUT_RDWR)
-        self.sock.close()
-        self.thread.join(10)
-        for c in self.conns:
-            c.close()
-
-
 def test_refused_key_fails_fast_when_the_handshake_fails_before_the_first_send(refusing_broker):
     assert "OK" in _in_child("refused_workload", *refusing_broker, True)
 
@@ -178,10 +120,10 @@ def test_refused_key_never_hangs_over_many_tries(refusing_broker):
 
 
 def test_a_peer_that_breaks_the_protocol_times_out_instead_of_hanging():
-    with _Listener(b"\xff" * 64) as lst:
+    with TcpListener(b"\xff" * 64) as lst:
         assert "OK" in _in_child("garbage_workload", lst.url)
 
 
 def test_a_silent_peer_keeps_the_pipe_and_times_out():
-    with _Listener(None) as lst:
+    with TcpListener(None) as lst:
         assert "OK" in _in_child("silent_workload", lst.url)

@@ -68,3 +68,15 @@ def test_checker_sees_a_violation(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _violations("workers") == ["workers/bad.py:1 imports gradbus.broker",
                                       "workers/bad.py:3 imports gradbus.shards"]
+
+
+def test_test_modules_share_rigs_only_through_rigs_py():
+    """Shared rigs and helpers live in tests/rigs.py and fixtures in conftest.py: no test module
+    imports another test module or conftest (test_harness checks conftest's own leak checks)."""
+    bad = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        for line, mod in _imports(path, "tests"):
+            name = mod.rsplit(".", 1)[-1]
+            if (name.startswith("test_") or (name == "conftest" and path.name != "test_harness.py")):
+                bad.append(f"{path.name}:{line} imports {mod}")
+    assert bad == []

@@ -45,10 +45,10 @@ def _in_child(workload: str, *args) -> str:
 
 def _force_dropped_pipe(targets: set) -> list:
     """A ``connect`` to an address in ``targets`` returns only once libzmq dropped the pipe
-    (tests/test_curve_timeouts.py's patch, limited to those addresses); the list of
+    (tests/rigs.py's drop_pipe_after_connect, limited to those addresses); the list of
     connects whose pipe was gone."""
     plain = zmq.Socket.connect
-    from .test_curve_timeouts import drop_pipe_after_connect
+    from .rigs import drop_pipe_after_connect
     dropped = drop_pipe_after_connect()
     forced = zmq.Socket.connect
 
@@ -132,7 +132,7 @@ def lost_backend_workload(hide_failures: bool) -> None:
     each try."""
     from gradbus.shards.server import ShardServer
 
-    from .test_curve_timeouts import _Listener
+    from .rigs import TcpListener
     if hide_failures:
         security.HandshakeWatch.check = lambda self: None
     ctx = zmq.Context()
@@ -141,7 +141,7 @@ def lost_backend_workload(hide_failures: bool) -> None:
     port = front.bind_to_random_port("tcp://127.0.0.1")
     hellos: list = []
     done = threading.Event()
-    with _Listener(BAD_HANDSHAKE) as backend:
+    with TcpListener(BAD_HANDSHAKE) as backend:
         dropped = _force_dropped_pipe({backend.url})
 
         def answer():

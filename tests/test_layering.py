@@ -80,3 +80,20 @@ def test_test_modules_share_rigs_only_through_rigs_py():
             if (name.startswith("test_") or (name == "conftest" and path.name != "test_harness.py")):
                 bad.append(f"{path.name}:{line} imports {mod}")
     assert bad == []
+
+
+def test_setup_cfg_lists_every_package():
+    """A wheel holds only the packages setup.cfg lists (an editable install finds the others
+    anyway, so nothing else would notice): every folder with an ``__init__.py`` under a mapped
+    folder is listed, and nothing else is."""
+    import configparser
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    mapping = dict(line.split(" = ") for line in cfg["options"]["package_dir"].strip().splitlines())
+    found = set()
+    for package, folder in mapping.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]))
+    assert found == listed

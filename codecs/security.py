@@ -169,8 +169,9 @@ ROLES = (SHARD, CLIENT, OPERATOR)
 ALL_ROLES = frozenset(ROLES)
 #: Frontend kinds only an operator may send: they change the cluster or write its data.
 OPERATOR_KINDS = frozenset({wire.CHECKPOINT, wire.ADMIN})
-#: Frontend kinds every admitted key may send (discovery: shards use it too).
-OPEN_KINDS = frozenset({wire.HELLO})
+#: Frontend kinds every admitted key may send: discovery (shards use it too), and STATUS, which
+#: only reads (every container's healthcheck asks it with that container's own key).
+OPEN_KINDS = frozenset({wire.HELLO, wire.STATUS})
 _ROLES_LINE = re.compile(r'^\s*roles\s*=\s*"?([^"\n]*)"?\s*$', re.MULTILINE)
 
 

@@ -37,14 +37,15 @@ def test_the_role_table():
     p = security.permits
     assert p(None, True, wire.REGISTER) and p(None, False, wire.ADMIN)       # CURVE off
     assert p({"shard"}, True, wire.REGISTER) and not p({"client", "operator"}, True, wire.REGISTER)
-    for kind in (wire.PUSH, wire.INIT, wire.SNAPSHOT, wire.ROWS, wire.CATALOG, wire.STATUS,
+    for kind in (wire.PUSH, wire.INIT, wire.SNAPSHOT, wire.ROWS, wire.CATALOG,
                  wire.DIGEST, wire.HEARTBEAT, wire.BYE):
         assert p({"client"}, False, kind) and p({"operator"}, False, kind)
         assert not p({"shard"}, False, kind)
     for kind in (wire.CHECKPOINT, wire.ADMIN):
         assert p({"operator"}, False, kind) and not p({"client", "shard"}, False, kind)
-    assert all(p({r}, False, wire.HELLO) for r in security.ROLES)
-    assert not p(frozenset(), False, wire.HELLO)    # a key no longer in the directory
+    for kind in (wire.HELLO, wire.STATUS):      # discovery, and the read-only healthcheck
+        assert all(p({r}, False, kind) for r in security.ROLES)
+        assert not p(frozenset(), False, kind)  # a key no longer in the directory
 
 
 def test_a_workers_key_cannot_act_as_a_shard_or_an_operator(make_cluster, keys, tmp_path):
@@ -69,10 +70,12 @@ def test_a_workers_key_cannot_act_as_a_shard_or_an_operator(make_cluster, keys, 
         assert not st["partitions_down"] and st["errors"]["FORBIDDEN"] == 5
         c.push({"w": np.ones(8, np.float32)}).result(10)
         assert admin.rebalance(cluster.url, curve=cluster.curve)["moves_started"] == 0
-    # a shard's key is not a client's
+    # a shard's key is not a client's: it may ask status (its container's healthcheck does),
+    # nothing a worker does
     shard = security.Curve.from_files(keys.path("shard", True), keys.path("broker"))
+    assert admin.status(cluster.url, curve=shard)["shards"][0]["id"] == "shard-0"
     with pytest.raises(gradbus.GradbusError, match="FORBIDDEN"):
-        admin.status(cluster.url, curve=shard)
+        admin.request(cluster.url, wire.CATALOG, curve=shard)
 
 
 def test_a_role_less_allow_directory_keeps_working(tmp_path, caplog):

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradbus.codecs import tensor, wire
+from gradbus.codecs import tensor, values, wire
 from gradbus.codecs.errors import Code, WireError
 
 SETTINGS = settings(max_examples=120, deadline=None, database=None,
@@ -493,8 +493,8 @@ def expected_decode(a: np.ndarray, chain: str) -> np.ndarray:
     if precision == "fp16":
         return a.astype(np.float16).astype(a.dtype)
     if precision == "bf16":
-        bits = tensor._bf16_encode(np.ascontiguousarray(a, np.float32).reshape(-1))
-        return tensor._bf16_decode(bits).astype(a.dtype).reshape(a.shape)
+        bits = values._bf16_encode(np.ascontiguousarray(a, np.float32).reshape(-1))
+        return values._bf16_decode(bits).astype(a.dtype).reshape(a.shape)
     return a
 
 

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from gradbus.codecs import jit, tensor, wire
+from gradbus.codecs import jit, tensor, values, wire
 from gradbus.codecs.errors import Code, WireError
 
 from .rigs import JIT_PATHS, jit_path
@@ -395,7 +395,7 @@ def test_fp16_fast_path_on_every_exponent_across_chunks(path):
     u[:len(specials)] = specials
     a = u.view(np.float32)
     with jit_path(path):
-        got = tensor._fp16_encode(a)
+        got = values._fp16_encode(a)
     with np.errstate(over="ignore"):
         want = a.astype(np.float16).view(np.uint16)
     nan = np.isnan(a)
@@ -410,7 +410,7 @@ def test_bf16_fast_path_matches_the_reference_rounding(path, a):
     u = bits(a).astype(np.uint64)
     want = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
     with jit_path(path):
-        got = tensor._bf16_encode(a)
+        got = values._bf16_encode(a)
     nan = np.isnan(a)
     assert np.array_equal(got[~nan], want[~nan])
     assert np.all((got[nan] & 0x7F80) == 0x7F80) and np.all(got[nan] & 0x7F)
@@ -692,8 +692,8 @@ def test_jit_is_off_with_gradbus_jit_0(monkeypatch):
     assert jit.loops.__wrapped__() is None
     a = np.array([1.0, np.nan, 3.0e-6, 70000.0], np.float32)
     with mock.patch.object(jit, "loops", jit.loops.__wrapped__):
-        assert tensor._fp16_encode(a).tolist() == [0x3C00, 0x7E00, 0x0032, 0x7C00]
-        assert tensor._bf16_encode(a).tolist() == [0x3F80, 0x7FC0, 0x3649, 0x4789]
+        assert values._fp16_encode(a).tolist() == [0x3C00, 0x7E00, 0x0032, 0x7C00]
+        assert values._bf16_encode(a).tolist() == [0x3F80, 0x7FC0, 0x3649, 0x4789]
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -31,7 +31,7 @@ import zstandard
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradbus.codecs import tensor, wire
+from gradbus.codecs import tensor, values, wire
 from gradbus.codecs.errors import Code, WireError
 
 CAP = 1 << 20
@@ -204,8 +204,8 @@ def expected(arr: np.ndarray, chain: str) -> np.ndarray:
     if chain in ("fp16", "fp16|zstd"):  # numpy's cast is the reference for IEEE half
         return arr.astype(np.float16).astype(arr.dtype)
     if chain in ("bf16", "bf16|zstd"):  # bf16 values are float32 values: round-trip float32
-        bits = tensor._bf16_encode(np.ascontiguousarray(arr, np.float32).reshape(-1))
-        return tensor._bf16_decode(bits).astype(arr.dtype).reshape(arr.shape)
+        bits = values._bf16_encode(np.ascontiguousarray(arr, np.float32).reshape(-1))
+        return values._bf16_decode(bits).astype(arr.dtype).reshape(arr.shape)
     return tensor.encode(arr, chain, want_decoded=True)[2]  # the encoder's own claim
 
 

@@ -131,7 +131,8 @@ class BrokerCore:
         self._wall = clock
 
     def accepting(self) -> bool:
-        """False while queued tensor bytes exceed the bound: the loop stops reading clients."""
+        """False while the tensor bytes queued for shards exceed the cap. The loop keeps reading
+        clients either way; :class:`.flow.ByteCap` answers the pushes that find no room BUSY."""
         return self.sequencer.accepting()
 
     def _coalesce(self, actions: list) -> list:

@@ -9,7 +9,7 @@ import threading
 import click
 
 from gradbus import config
-from gradbus.broker.core import SHARD_CREDIT
+from gradbus.broker.settings import SHARD_CREDIT
 from gradbus.cli import options as opts
 from gradbus.cli import render
 from gradbus.cli.options import (

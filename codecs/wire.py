@@ -14,7 +14,10 @@ A message is a list of ZeroMQ frames::
        "base": for delta weights, the publish seq the frame is a change on (optional),
        "cnt": for gradients, how many gradients the frame sums (optional, default 1),
        "ids": for a table's rows, the row ids as little-endian int64 bytes; the frame then
-              holds the rows, shape [len(ids), dim] (optional)}
+              holds the rows, shape [len(ids), dim] (optional),
+       "r": the bytes are in a shared-memory segment, not in the frame, which is then empty:
+            [segment, offset] (a client's push ring) or [segment, offset, stamp] (a shard's
+            weights board); see :mod:`gradbus.codecs.shm` (optional)}
 
 Tensors never travel pickled. A receiver validates, before using anything: the frame count against
 ``len(t)``, the protocol version, the kind against its allow-list, the required header fields and
@@ -66,6 +69,7 @@ DROP, DIGEST, DIGEST_REPLY = "drop", "digest", "digest_reply"
 CHECKPOINT, CHECKPOINT_REPLY = "checkpoint", "checkpoint_reply"
 ADMIN, ADMIN_REPLY, STOP = "admin", "admin_reply", "stop"   # rebalance, drain; a drained shard
 ROWS, ROWS_REPLY = "rows", "rows_reply"                      # reads of embedding table rows
+FREE = "free"                     # push slots in shared memory the broker no longer needs
 
 ACKS_ALL = -1                     # the wire value of acks="all"
 
@@ -83,6 +87,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     INIT_OK: {"msg": (_INT, True), "created": (_LIST, True), "existing": (_LIST, True)},
     PUSH: {"msg": (_INT, True), "acks": (_INT, True)},
     ACK: {"msg": (_INT, True)},
+    FREE: {"msgs": (_LIST, True)},
     SNAPSHOT: {"req": (_INT, True), "keys": (_LIST, True)},
     SNAPSHOT_REPLY: {"req": (_INT, True), "parts": (_LIST, True)},
     CATALOG: {"req": (_INT, True)},
@@ -121,7 +126,7 @@ BACKEND_KINDS = frozenset({REGISTER, HEARTBEAT, APPLIED, SNAPSHOT_REPLY, ROWS_RE
                            SYNCED, DIGEST_REPLY, CHECKPOINT_REPLY, ERROR, BYE})
 SHARD_KINDS = frozenset({REGISTERED, HEARTBEAT, BATCH, SNAPSHOT, ROWS, ADOPT, STATE_REQ, STATE,
                          DROP, DIGEST, CHECKPOINT, STOP, ERROR})
-CLIENT_KINDS = frozenset({WELCOME, INIT_OK, ACK, SNAPSHOT_REPLY, ROWS_REPLY, CATALOG_REPLY,
+CLIENT_KINDS = frozenset({WELCOME, INIT_OK, ACK, FREE, SNAPSHOT_REPLY, ROWS_REPLY, CATALOG_REPLY,
                           STATUS_REPLY, DIGEST_REPLY, CHECKPOINT_REPLY, ADMIN_REPLY, ERROR,
                           UPDATE, TABLE, HEARTBEAT})
 
@@ -156,6 +161,7 @@ class TensorDesc:
     base: int | None = None    # weights only: the frame is a delta on the block published at seq
     count: int = 1             # gradients only: how many gradients this one sums (local steps)
     ids: bytes | None = None   # table rows only: the row ids (little-endian int64)
+    ref: list | None = None    # the bytes are in shared memory: [segment, offset(, stamp)]
 
     def to_wire(self) -> dict:
         d = {"k": self.key, "d": self.dtype, "s": list(self.shape), "c": self.codec,
@@ -168,6 +174,8 @@ class TensorDesc:
             d["cnt"] = self.count
         if self.ids is not None:
             d["ids"] = self.ids
+        if self.ref is not None:
+            d["r"] = self.ref
         return d
 
     def row_ids(self) -> np.ndarray:
@@ -276,7 +284,12 @@ def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
         if len(shape) != 2 or shape[0] != len(ids) // 8:
             _bad(Code.BAD_SHAPE, f"{key}: {len(ids) // 8} row ids need rows of shape "
                                  f"[{len(ids) // 8}, dim], not {shape}")
-    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver, base, cnt, ids)
+    ref = d.get("r")
+    if ref is not None and not (type(ref) is list and 2 <= len(ref) <= 3
+                                and type(ref[0]) is str and len(ref[0]) <= 128
+                                and all(type(v) is int and 0 <= v < 2**63 for v in ref[1:])):
+        _bad(Code.BAD_FIELD, f"{key}: r must be [segment, offset] or [segment, offset, stamp]")
+    return TensorDesc(key, dtype, tuple(shape), codec, n, x, ver, base, cnt, ids, ref)
 
 
 def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:
@@ -319,7 +332,7 @@ def parse_tensors(h: dict, frames, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> 
     descs = [parse_desc(d, max_tensor_bytes) for d in t]
     for desc, fr in zip(descs, frames):
         size = frame_len(fr)
-        if size != desc.nbytes:
+        if size != desc.nbytes and (size or desc.ref is None):
             _bad(Code.BAD_SHAPE, f"{desc.key}: frame has {size} bytes, header says {desc.nbytes}")
     return descs
 
@@ -388,6 +401,87 @@ def stream_tensor(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BY
     return None if pieces is None else TensorStream(desc, pieces)
 
 
+# ----------------------------------------------------------------------------- shared memory
+def _ref_ok(r, n) -> bool:
+    return (type(r) is list and 2 <= len(r) <= 3 and type(r[0]) is str
+            and all(type(v) is int and v >= 0 for v in r[1:]) and type(n) is int
+            and 0 <= n <= MAX_TENSOR_BYTES)
+
+
+def resolve_refs(h: dict, frames: list, mapper, unreadable=None) -> bool:
+    """Put the bytes that ``h``'s descriptors reference in shared memory (``r``) into
+    ``frames`` (the tensor frames, changed in place): a view into a push ring, a copy out of a
+    weights board. False when a board block was rewritten before it was read whole; a ref that
+    names no readable segment raises :class:`WireError`, or with ``unreadable`` (called with
+    the error and the byte count) puts what that returns there instead. Malformed descriptors
+    are left for :func:`parse_tensors` to refuse."""
+    t = h.get("t")
+    if not t or type(t) is not list:
+        return True
+    for i, d in enumerate(t):
+        r = d.get("r") if type(d) is dict else None
+        if r is None or i >= len(frames) or frame_len(frames[i]):
+            continue
+        n = d.get("n")
+        if not _ref_ok(r, n):
+            continue
+        try:
+            buf = mapper.view(r, n) if len(r) == 2 else mapper.copy(r, n)
+        except WireError as e:
+            if unreadable is None:
+                raise
+            buf = unreadable(e, n)
+        if buf is None:
+            return False
+        frames[i] = buf
+    return True
+
+
+def inline_refs(frames: list, at: int, mapper, copy: bool) -> list | None:
+    """``frames`` (header at ``at``, tensor frames after it) with the bytes its descriptors
+    reference in shared memory put into the frames and the refs taken out of the header: for a
+    receiver that does not read shared memory. ``copy``: copies, not views, of ring bytes.
+    None when a board block was rewritten before it was read whole."""
+    head = frames[at]
+    h = msgpack.unpackb(head.bytes if hasattr(head, "bytes") else head, raw=False)
+    t = h.get("t") or ()
+    out = None
+    for i, d in enumerate(t):
+        r = d.pop("r", None)
+        if r is None:
+            continue
+        if out is None:
+            out = list(frames)
+        n = d["n"]
+        if len(r) == 3:
+            buf = mapper.copy(r, n)
+            if buf is None:
+                return None
+        else:
+            buf = mapper.view(r, n)
+            if copy:
+                buf = bytes(buf)
+        out[at + 1 + i] = buf
+    if out is None:
+        return frames
+    out[at] = msgpack.packb(h, use_bin_type=True)
+    return out
+
+
+def inline_descs(t_list: list, frames: list, mapper) -> tuple[list, list]:
+    """Descriptors and frames with ring bytes in the frames, for the update log."""
+    if not any("r" in d for d in t_list):
+        return t_list, frames
+    descs, out = [], []
+    for d, fr in zip(t_list, frames):
+        if "r" in d:
+            fr = mapper.view(d["r"], d["n"])
+            d = {k: v for k, v in d.items() if k != "r"}
+        descs.append(d)
+        out.append(fr)
+    return descs, out
+
+
 def pack(kind: str, descs: list | None = None, /, **fields) -> bytes:
     """Pack a header. ``descs`` is the list of tensor descriptor maps (or TensorDesc)."""
     h = {"v": PROTOCOL, "kind": kind}
@@ -405,6 +499,12 @@ def error(code: Code | str, message: str, **fields) -> bytes:
 def topic_partition(p: int) -> bytes:
     """XPUB topic of a partition's weight updates: ``b"p" + 2-byte big-endian id``."""
     return b"p" + p.to_bytes(2, "big")
+
+
+def topic_partition_shm(p: int) -> bytes:
+    """XPUB topic of a partition's weight updates for subscribers that read shared memory:
+    ``b"r" + 2-byte big-endian id`` (its tensors may be references into a shard's board)."""
+    return b"r" + p.to_bytes(2, "big")
 
 
 TOPIC_TABLE = b"t"

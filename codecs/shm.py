@@ -1,0 +1,561 @@
+"""Shared-memory segments for tensor bytes between processes on one host.
+
+A segment is a file in the shared-memory directory (``/dev/shm``, or ``$GRADBUS_SHM_DIR``),
+created ``O_EXCL`` with mode 0600, its pages reserved up front (``posix_fallocate``: a full
+``/dev/shm`` is an error at creation, never a SIGBUS later) and mapped. Its name says whose it
+is::
+
+    gradbus-<cluster>-<role><pid>-<pidns>-<n>
+
+``cluster`` is 8 hex digits of the broker's address (:func:`cluster_tag`), ``role`` ``w``
+(a client's push ring), ``s`` (a shard's weights board) or ``b`` (the broker's probe, which
+peers open to prove they share its shared-memory directory), ``pid`` and ``pidns`` the owner's
+process id and pid namespace: :func:`sweep` removes the segments of owners that are dead (in
+its own pid namespace only: another namespace's pids mean nothing here). Every segment starts
+with a 64-byte header, ``MAGIC``, a 16-byte nonce and the size; data lives after it.
+
+* :class:`Ring` -- a client's push slots: bytes are written once, referenced by a PUSH, and the
+  slot is reused only after the broker said (FREE) that nothing it sent needs them any more.
+* :class:`Board` -- a shard's published weights: two versions per block, each behind a stamp
+  word (a seqlock); a reader copies a version out and checks the stamp before and after, so it
+  never keeps a half-written block.
+* :class:`Mapper` -- a reader's cache of peers' segments, opened read-only, bounds-checked.
+
+References travel in a tensor descriptor's ``r`` field: ``[segment, offset]`` into a ring,
+``[segment, offset, stamp]`` into a board (see docs/protocol.md). The board's stamp protocol
+relies on stores being seen in program order (x86-64); elsewhere boards are off and weights
+travel as frames.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import mmap
+import os
+import platform
+import re
+import struct
+import sys
+import threading
+
+import xxhash
+
+from .errors import Code, WireError
+
+log = logging.getLogger("gradbus.shm")
+
+MAGIC = b"GRADBUS\x01"
+HEADER = 64                       # bytes before a segment's data
+ALIGN = 64                        # every slot starts on a cache line
+MIN_RING_SEGMENT = 8 << 20        # a ring grows by segments of at least this size
+MAX_MAPPED = 64                   # peers' segments a reader keeps open
+_WRITING = (1 << 64) - 1          # a board slot's stamp while it is being written
+_U64 = struct.Struct("<Q")
+NAME_RE = re.compile(r"gradbus-([0-9a-f]{8})-([wsb])(\d{1,10})-(\d{1,20})-(\d{1,12})-([0-9a-f]{4})\Z")
+ORDERED_STORES = platform.machine().lower() in ("x86_64", "amd64")
+
+
+class ShmFull(OSError):
+    """The shared-memory directory has no room for a segment."""
+
+
+# ----------------------------------------------------------------------------- settings
+def wanted(flag: bool | None = None, default: bool = True) -> bool:
+    """Whether this process offers shared memory: ``flag`` (a command-line switch or an
+    argument) wins, then ``$GRADBUS_SHM`` (``0`` or ``1``), then ``default``."""
+    if flag is not None:
+        return bool(flag)
+    env = os.environ.get("GRADBUS_SHM")
+    if env is None or env == "":
+        return default
+    if env not in ("0", "1"):
+        raise ValueError(f"GRADBUS_SHM must be 0 or 1, not {env!r}")
+    return env == "1"
+
+
+def directory() -> str:
+    return os.environ.get("GRADBUS_SHM_DIR") or "/dev/shm"
+
+
+def usable(path: str | None = None) -> bool:
+    """Linux, and a shared-memory directory this process can create files in."""
+    path = path or directory()
+    return sys.platform.startswith("linux") and os.path.isdir(path) and os.access(path, os.W_OK)
+
+
+def host_identity() -> str:
+    """What two processes must share to use each other's segments: the boot id, the user and
+    the shared-memory directory (a peer still proves it can open a segment: see
+    :func:`probe`)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{boot}:{os.getuid()}:{directory()}"
+
+
+def cluster_tag(url: str) -> str:
+    """8 hex digits naming a cluster (its broker's address) in segment names."""
+    return f"{xxhash.xxh32_intdigest(url.encode()):08x}"
+
+
+def _pidns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+_counter = itertools.count()
+
+
+def segment_name(cluster: str, role: str) -> str:
+    return (f"gradbus-{cluster}-{role}{os.getpid()}-{_pidns()}-{next(_counter)}-"
+            f"{os.urandom(2).hex()}")
+
+
+# ----------------------------------------------------------------------------- segments
+class Segment:
+    """One mapped segment. ``create`` makes and owns it (``unlink`` removes the name);
+    ``open`` maps a peer's read-only."""
+
+    __slots__ = ("name", "path", "size", "mm", "view", "nonce", "owner")
+
+    def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool):
+        self.name, self.path, self.mm, self.owner = name, path, mm, owner
+        self.size = len(mm)
+        self.view = memoryview(mm)
+        self.nonce = bytes(self.view[8:24])
+
+    @classmethod
+    def create(cls, cluster: str, role: str, size: int) -> Segment:
+        base = directory()
+        size = max(HEADER + ALIGN, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE)
+        name = segment_name(cluster, role)
+        path = os.path.join(base, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                os.unlink(path)
+                raise ShmFull(e.errno, f"no room for a {size >> 20} MiB segment in {base}: "
+                                       f"{e.strerror}") from None
+            mm = mmap.mmap(fd, size)
+        except BaseException:
+            if os.path.exists(path):
+                os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        mm[0:8] = MAGIC
+        mm[8:24] = os.urandom(16)
+        mm[24:32] = _U64.pack(size)
+        return cls(name, path, mm, True)
+
+    @classmethod
+    def open(cls, name: str) -> Segment:
+        """A peer's segment, read-only; WireError when the name is not a gradbus segment, or
+        it is gone, not this user's, open to others, or not one at all."""
+        if type(name) is not str or NAME_RE.match(name) is None:
+            raise WireError(Code.BAD_FIELD, f"{name!r} is not a gradbus segment name")
+        path = os.path.join(directory(), name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as e:
+            raise WireError(Code.BAD_FIELD, f"segment {name}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or st.st_mode & 0o077 or st.st_size < HEADER + ALIGN:
+                raise WireError(Code.BAD_FIELD, f"segment {name} is not a private gradbus segment")
+            mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if mm[0:8] != MAGIC:
+            mm.close()
+            raise WireError(Code.BAD_FIELD, f"segment {name} is not a gradbus segment")
+        return cls(name, path, mm, False)
+
+    def span(self, off: int, n: int) -> memoryview:
+        if type(off) is not int or off < HEADER or n < 0 or off + n > self.size:
+            raise WireError(Code.BAD_FIELD, f"segment {self.name}: [{off}, {off}+{n}) is out of "
+                                            f"its {self.size} B")
+        return self.view[off:off + n]
+
+    def close(self) -> None:
+        try:
+            self.view.release()
+            self.mm.close()
+        except BufferError:      # a slice is still in use somewhere: the GC unmaps it later
+            pass
+        if self.owner:
+            self.unlink()
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def probe(name: str, nonce: bytes) -> bool:
+    """Whether this process can open a peer's segment and finds the nonce the peer sent: the
+    proof, beyond a host identity, that the two share a shared-memory directory."""
+    try:
+        seg = Segment.open(name)
+    except WireError:
+        return False
+    ok = seg.nonce == nonce
+    seg.close()
+    return ok
+
+
+def accept(offer) -> str | None:
+    """The cluster tag of a broker's shared-memory offer (WELCOME's ``shm``) when this process
+    can take it up: the same host identity, and the broker's probe segment opens and holds the
+    nonce the offer names. None otherwise (tensors then go as frames)."""
+    if not isinstance(offer, dict) or not usable():
+        return None
+    cluster, seg, nonce = offer.get("cluster"), offer.get("seg"), offer.get("nonce")
+    if (offer.get("host") != host_identity() or type(cluster) is not str
+            or re.fullmatch(r"[0-9a-f]{8}", cluster) is None or type(nonce) is not bytes):
+        return None
+    return cluster if probe(seg, nonce) else None
+
+
+# ----------------------------------------------------------------------------- allocation
+class _Arena:
+    """First-fit allocation over one segment's data area, with coalescing frees."""
+
+    __slots__ = ("seg", "free")
+
+    def __init__(self, seg: Segment):
+        self.seg = seg
+        self.free = [(HEADER, seg.size - HEADER)]      # sorted (offset, length)
+
+    def alloc(self, n: int) -> int | None:
+        n = -(-max(n, 1) // ALIGN) * ALIGN
+        for i, (off, length) in enumerate(self.free):
+            if length >= n:
+                if length == n:
+                    del self.free[i]
+                else:
+                    self.free[i] = (off + n, length - n)
+                return off
+        return None
+
+    def release(self, off: int, n: int) -> None:
+        n = -(-max(n, 1) // ALIGN) * ALIGN
+        free = self.free
+        lo, hi = 0, len(free)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if free[mid][0] < off:
+                lo = mid + 1
+            else:
+                hi = mid
+        free.insert(lo, (off, n))
+        if lo + 1 < len(free) and off + n == free[lo + 1][0]:      # merge with the next
+            free[lo] = (off, n + free[lo + 1][1])
+            del free[lo + 1]
+        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == off:      # and the previous
+            free[lo - 1] = (free[lo - 1][0], free[lo - 1][1] + free[lo][1])
+            del free[lo]
+
+    def idle(self) -> bool:
+        return self.free == [(HEADER, self.seg.size - HEADER)]
+
+
+class Ring:
+    """A client's push slots, at most ``cap`` bytes in all, in segments made as needed. Thread
+    safe: pushes place from the caller's thread, FREE messages release from the I/O thread."""
+
+    def __init__(self, cluster: str, cap: int, first: int = MIN_RING_SEGMENT):
+        self.cluster = cluster
+        self.cap = cap
+        self.lock = threading.Lock()
+        self.arenas: list[_Arena] = []
+        self.held: dict[int, list] = {}       # msg -> [(arena, offset, n)]
+        self.failed: str | None = None        # why the ring stopped making segments
+        self.stats = collections.Counter()
+        self._grow(first)                      # the first segment is also the probe
+
+    @property
+    def probe_fields(self) -> dict:
+        seg = self.arenas[0].seg
+        return {"seg": seg.name, "nonce": seg.nonce}
+
+    @property
+    def size(self) -> int:
+        return sum(a.seg.size for a in self.arenas)
+
+    def _grow(self, need: int) -> _Arena | None:
+        if self.failed is not None:
+            return None
+        size = max(need + HEADER + ALIGN, MIN_RING_SEGMENT)
+        if self.arenas and self.size + size > self.cap:
+            return None
+        try:
+            seg = Segment.create(self.cluster, "w", size)
+        except OSError as e:
+            self.failed = str(e)
+            log.warning("shared memory for pushes is off from now on, pushes go as frames: %s", e)
+            return None
+        arena = _Arena(seg)
+        self.arenas.append(arena)
+        return arena
+
+    def place(self, msg: int, bufs: list) -> list | None:
+        """Copy each buffer into a slot of its own, held for ``msg``; returns their refs
+        ``[segment, offset]``, or None (nothing held) when the ring has no room."""
+        with self.lock:
+            got = []
+            for buf in bufs:
+                n = memoryview(buf).nbytes
+                slot = None
+                for arena in self.arenas:
+                    off = arena.alloc(n)
+                    if off is not None:
+                        slot = (arena, off, n)
+                        break
+                if slot is None:
+                    arena = self._grow(n)
+                    off = arena.alloc(n) if arena is not None else None
+                    if off is None:
+                        for a, o, m in got:
+                            a.release(o, m)
+                        self.stats["shm_ring_full"] += 1
+                        return None
+                    slot = (arena, off, n)
+                got.append(slot)
+            self.held[msg] = got
+        refs = []
+        for (arena, off, n), buf in zip(got, bufs):
+            if n:
+                arena.seg.view[off:off + n] = memoryview(buf).cast("B")
+            refs.append([arena.seg.name, off])
+        return refs
+
+    def free(self, msgs) -> int:
+        """Release the slots of these pushes (ids not held are ignored); returns how many."""
+        n = 0
+        with self.lock:
+            for m in msgs:
+                slots = self.held.pop(m, None)
+                if slots is not None:
+                    n += 1
+                    for arena, off, size in slots:
+                        arena.release(off, size)
+        return n
+
+    def close(self) -> None:
+        with self.lock:
+            for arena in self.arenas:
+                arena.seg.close()
+            self.arenas = []
+            self.held.clear()
+
+
+class Board:
+    """A shard's published weights: per block two versions, each a stamp word then the bytes;
+    a block's versions alternate, so a reader one publish behind still reads a whole block."""
+
+    def __init__(self, cluster: str, segment_bytes: int = 64 << 20):
+        self.cluster = cluster
+        self.segment_bytes = segment_bytes
+        self.arenas: list[_Arena] = []
+        self.slots: dict[str, list] = {}      # key -> [arena, offset, capacity, next version]
+        self.stamp = 0
+        self.failed: str | None = None
+        self.stats = collections.Counter()
+        self._grow(0)
+
+    @property
+    def probe_fields(self) -> dict | None:
+        if not self.arenas:
+            return None
+        seg = self.arenas[0].seg
+        return {"seg": seg.name, "nonce": seg.nonce}
+
+    def _grow(self, need: int) -> _Arena | None:
+        if self.failed is not None:
+            return None
+        try:
+            seg = Segment.create(self.cluster, "s", max(self.segment_bytes, need + HEADER + ALIGN))
+        except OSError as e:
+            self.failed = str(e)
+            log.warning("shared memory for weights is off from now on, they go as frames: %s", e)
+            return None
+        arena = _Arena(seg)
+        self.arenas.append(arena)
+        return arena
+
+    def _slot(self, key: str, n: int):
+        slot = self.slots.get(key)
+        if slot is not None and slot[2] >= n:
+            return slot
+        if slot is not None:        # the block's bytes grew (a compressing chain): a new place
+            slot[0].release(slot[1], 2 * (slot[2] + ALIGN))
+            del self.slots[key]
+        cap = -(-max(n, 1) // ALIGN) * ALIGN
+        need = 2 * (cap + ALIGN)
+        for arena in self.arenas:
+            off = arena.alloc(need)
+            if off is not None:
+                break
+        else:
+            arena = self._grow(need)
+            off = arena.alloc(need) if arena is not None else None
+            if off is None:
+                return None
+        slot = self.slots[key] = [arena, off, cap, 0]
+        return slot
+
+    def write(self, key: str, buf) -> list | None:
+        """Publish ``buf`` as the block's next version; its ref ``[segment, offset, stamp]``,
+        or None (publish it as a frame) when the board has no room."""
+        if not ORDERED_STORES:
+            return None
+        src = memoryview(buf).cast("B")
+        n = src.nbytes
+        slot = self._slot(key, n)
+        if slot is None:
+            self.stats["shm_board_full"] += 1
+            return None
+        arena, off, cap, nxt = slot
+        slot[3] = nxt ^ 1
+        word = off + nxt * (cap + ALIGN)
+        data = word + ALIGN
+        self.stamp += 1
+        view = arena.seg.view
+        _U64.pack_into(view, word, _WRITING)
+        view[data:data + n] = src
+        _U64.pack_into(view, word, self.stamp)
+        return [arena.seg.name, data, self.stamp]
+
+    def forget(self, keys) -> None:
+        """Blocks this shard no longer publishes (their partition moved away)."""
+        for key in keys:
+            slot = self.slots.pop(key, None)
+            if slot is not None:
+                slot[0].release(slot[1], 2 * (slot[2] + ALIGN))
+
+    def close(self) -> None:
+        for arena in self.arenas:
+            arena.seg.close()
+        self.arenas = []
+        self.slots.clear()
+
+
+# ----------------------------------------------------------------------------- reading
+class Mapper:
+    """A reader's peers' segments, opened on first use, at most ``MAX_MAPPED`` kept (least
+    recently used closed first). Thread safe."""
+
+    def __init__(self, limit: int = MAX_MAPPED):
+        self.limit = limit
+        self.segs: collections.OrderedDict[str, Segment] = collections.OrderedDict()
+        self.lock = threading.Lock()
+
+    def segment(self, name: str) -> Segment:
+        with self.lock:
+            seg = self.segs.get(name)
+            if seg is not None:
+                self.segs.move_to_end(name)
+                return seg
+        seg = Segment.open(name)
+        with self.lock:
+            self.segs[name] = seg
+            while len(self.segs) > self.limit:
+                self.segs.popitem(last=False)[1].close()
+        return seg
+
+    def view(self, ref, n: int) -> memoryview:
+        """The ``n`` bytes a ring ref names (a read-only view into the peer's segment)."""
+        return self.segment(ref[0]).span(ref[1], n)
+
+    def copy(self, ref, n: int) -> bytearray | None:
+        """The ``n`` bytes a board ref names, copied out whole, or None when the block was
+        rewritten meanwhile (the reader fell two publishes behind)."""
+        seg = self.segment(ref[0])
+        stamp = ref[2]
+        off = ref[1]
+        if off - ALIGN < HEADER:
+            raise WireError(Code.BAD_FIELD, f"segment {seg.name}: offset {off} is no board slot")
+        src = seg.span(off, n)
+        if _U64.unpack_from(seg.view, off - ALIGN)[0] != stamp:
+            return None
+        out = bytearray(src)
+        if _U64.unpack_from(seg.view, off - ALIGN)[0] != stamp:
+            return None
+        return out
+
+    def close(self) -> None:
+        with self.lock:
+            for seg in self.segs.values():
+                seg.close()
+            self.segs.clear()
+
+
+# ----------------------------------------------------------------------------- sweeping
+def owned(name: str) -> tuple | None:
+    """``(cluster, role, pid, pidns)`` of a gradbus segment name, else None."""
+    m = NAME_RE.match(name)
+    if m is None:
+        return None
+    return m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:        # a zombie is dead for this purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def sweep(cluster: str | None = None, roles: str = "wsb", keep=frozenset()) -> list[str]:
+    """Remove the segments (of ``cluster``, or of every cluster) whose owner is dead, in this
+    pid namespace, except those named in ``keep``; returns the names removed."""
+    base = directory()
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return []
+    ns = _pidns()
+    removed = []
+    for name in names:
+        who = owned(name)
+        if who is None or name in keep:
+            continue
+        tag, role, pid, pidns = who
+        if (cluster is not None and tag != cluster) or role not in roles or pidns != ns:
+            continue
+        if _alive(pid):
+            continue
+        try:
+            os.unlink(os.path.join(base, name))
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.info("removed %d shared-memory segments of dead processes", len(removed))
+    return removed
+
+
+def segments(cluster: str | None = None) -> list[str]:
+    """The gradbus segments in the shared-memory directory (of ``cluster``, or all)."""
+    try:
+        names = os.listdir(directory())
+    except OSError:
+        return []
+    return sorted(n for n in names
+                  if (o := owned(n)) is not None and (cluster is None or o[0] == cluster))

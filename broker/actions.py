@@ -2,7 +2,8 @@
 
 * :class:`ToClient` -- send ``frames`` to a client (frontend ROUTER); :class:`AckClient` is the
   one coalesced ACK message for the pushes of one client acknowledged in one step;
-* :class:`ToShard` -- send ``frames`` to a shard (backend ROUTER); :class:`Adopt` is the ADOPT
+* :class:`ToShard` -- send ``frames`` to a shard (backend ROUTER), with the tensors a client
+  left in shared memory inlined first where ``inline`` says so; :class:`Adopt` is the ADOPT
   that starts a catch-up (counted by ops commands);
 * :class:`Publish` -- publish ``frames`` on events (XPUB), ``frames[0]`` is the topic;
 * :class:`AppendLog` -- append one BATCH's parts to the update log, before it is sent;
@@ -31,10 +32,15 @@ class AckClient(ToClient):
     msgs: tuple = ()          # the msg ids this ACK acknowledges
 
 
+INLINE_VIEW = 1      # ToShard.inline: put shared-memory bytes in the frames (zero-copy views)
+INLINE_COPY = 2      # ... as copies (for a receiver nothing waits for: its slots may be reused)
+
+
 @dataclass(frozen=True, slots=True)
 class ToShard:
     identity: bytes
     frames: list
+    inline: int = 0           # the receiver does not read shared memory: see INLINE_*
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,12 @@ class ShardEvents:
         self.sequencer, self.settlement, self.reads = c.sequencer, c.settlement, c.reads
         self.rebalance, self.recovery = c.rebalance, c.recovery
         self.acked, self.admission = c.acked, c.admission
+        self._core = c
+
+    @property
+    def shm_on(self) -> bool:
+        """The broker offers shared memory (its loop set ``core.shm``)."""
+        return self._core.shm is not None
 
     def _table_msg(self) -> Publish:
         return Publish(self.table.message())
@@ -97,8 +103,9 @@ class ShardEvents:
                         sid, len(drop))
         self.members.by_identity[identity] = sid
         tb.bump()
+        s.shm = bool(h.get("shm")) and self.shm_on
         actions.append(ToShard(identity, [wire.pack(wire.REGISTERED, shard=sid,
-                                                    partitions=self.P)]))
+                                                    partitions=self.P, shm=s.shm)]))
         if rec.replay is not None:
             rec.replay_orphans()
         if drop:

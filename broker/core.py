@@ -85,6 +85,7 @@ class BrokerCore:
         self.P = partitions
         self.now = now
         self.ports = {"events": 0, "backend": 0}
+        self.shm: dict | None = None      # the loop's shared-memory offer for WELCOME (or None)
         self.metrics_url: str | None = None     # where this broker's /metrics is served
         self._wall = wall_clock or time.time
         self.last_hb_sent = now
@@ -139,6 +140,8 @@ class BrokerCore:
         """The one step after every event: the pushes acknowledged in it become one ACK
         message per client, ``{"msg": first, "msgs": [all]}`` (a send per client, not per
         push)."""
+        if self.sequencer.freed:
+            actions = self._free(actions)
         if not actions:
             return actions
         acks: dict[bytes, list[int]] | None = None
@@ -158,6 +161,29 @@ class BrokerCore:
                 fields["msgs"] = msgs
             out.append(AckClient(client, [wire.pack(wire.ACK, **fields)], tuple(msgs)))
         return out
+
+    def _free(self, actions: list) -> list:
+        """The pushes whose shared-memory slots nothing needs any more: one FREE per client."""
+        by_client: dict[bytes, list[int]] = {}
+        for client, msg in self.sequencer.freed:
+            by_client.setdefault(client, []).append(msg)
+        self.sequencer.freed.clear()
+        self.meters.counters["shm_freed"] += sum(map(len, by_client.values()))
+        return actions + [ToClient(c, [wire.pack(wire.FREE, msgs=m)]) for c, m in by_client.items()]
+
+    def _unheld(self, identity: bytes, h: dict) -> None:
+        """A push with shared-memory refs that holds nothing here (refused, or a resend of one
+        already done): its slots are free."""
+        msg = h.get("msg")
+        ref = (identity, msg)
+        if type(msg) is not int or ref in self.sequencer.shm_live:
+            return
+        client = self.members.clients.get(identity)
+        if client is not None and client.seen.get(msg) == "pending":
+            return                  # accepted: queued, or held by a bsp barrier
+        t = h.get("t")
+        if isinstance(t, list) and any(isinstance(d, dict) and "r" in d for d in t):
+            self.sequencer.freed.append(ref)
 
     def _forbidden(self, identity: bytes, h: dict, roles, backend: bool):
         """The FORBIDDEN reply to a message whose sender's CURVE ``roles`` (None: CURVE off)
@@ -188,10 +214,12 @@ class BrokerCore:
             return [refused]
         kind = h["kind"]
         if kind == wire.HELLO:   # discovery only: registers nobody
+            shm = {"shm": self.shm} if self.shm is not None else {}
             return [ToClient(identity, [wire.pack(wire.WELCOME, events=self.ports["events"],
                                                   backend=self.ports["backend"],
                                                   partitions=self.P, down=self.table.down(),
-                                                  hb=self.settings.heartbeat_interval)])]
+                                                  hb=self.settings.heartbeat_interval,
+                                                  **shm)])]
         if kind == wire.STATUS:   # ops tools are not workers
             st = self.status(now)
             if h.get("table"):
@@ -207,7 +235,11 @@ class BrokerCore:
         client = self.members.client(identity, now)
         try:
             if kind == wire.PUSH:
-                return self._coalesce(self._push(client, h, frames[1:]))
+                actions = self._push(client, h, frames[1:])
+                if frames[1:] and not wire.frame_len(frames[1]) and h.get("t"):
+                    client.shm = True                  # its tensors are in its ring
+                    self._unheld(identity, h)
+                return self._coalesce(actions)
             if kind == wire.INIT:
                 return self._init(client, h, frames[1:])
             if kind == wire.SNAPSHOT:
@@ -216,15 +248,23 @@ class BrokerCore:
                 return self.reads.rows(client, h)
             if kind == wire.CATALOG:
                 return [ToClient(identity, self.catalog.reply(h))]
-            return []  # HEARTBEAT: registered above, last_seen updated
+            if "shm" in h:     # HEARTBEAT: registered above, last_seen updated
+                client.shm = h["shm"] is True
+            return []
         except WireError as e:
             ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
-            return [self.meters.err(identity, e.code, str(e.args[0]), **ids)]
+            return self._refused(identity, h, [self.meters.err(identity, e.code, str(e.args[0]),
+                                                               **ids)])
         except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
             # a field of an unexpected shape that the schema does not pin down
             ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
-            return [self.meters.err(identity, Code.BAD_FIELD, f"{kind}: malformed ({e!r})",
-                                    **ids)]
+            return self._refused(identity, h, [self.meters.err(
+                identity, Code.BAD_FIELD, f"{kind}: malformed ({e!r})", **ids)])
+
+    def _refused(self, identity: bytes, h: dict, actions: list) -> list:
+        if h["kind"] == wire.PUSH:
+            self._unheld(identity, h)
+        return self._coalesce(actions)
 
     def _push(self, client, h: dict, frames: list) -> list:
         msg = h["msg"]

@@ -23,6 +23,7 @@ class ShardInfo:
     info: dict = field(default_factory=dict)
     snapshots: list = field(default_factory=list)  # outstanding (client, req)
     queued_snapshots: list = field(default_factory=list)  # (client, req, keys, of, rows)
+    shm: bool = False                     # reads pushes from, and publishes into, shared memory
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class ClientInfo:
     rate: float = 0.0              # pushes per second, smoothed over about 5 s
     rate_at: float = 0.0
     staleness: float | None = None     # versions behind on arrival, smoothed
+    shm: bool = False              # its pushes and weights go through shared memory
 
     def count_push(self, now: float) -> None:
         """One push more, and the exponentially smoothed push rate (time constant 5 s)."""

@@ -47,7 +47,7 @@ class Rebalance:
         the batches after S, which ``t`` receives from now on."""
         self.table.start_catch_up(p, t, now)
         owner = self.members.shards[self.table.owners[p]]
-        return [Adopt(t.identity, [wire.pack(wire.ADOPT, p=p)], p),
+        return [Adopt(t.identity, [wire.pack(wire.ADOPT, p=p)], p=p),
                 ToShard(owner.identity, [wire.pack(wire.STATE_REQ, p=p, to=t.id)])]
 
     def sync_room(self, p: int) -> bool:

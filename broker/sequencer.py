@@ -3,6 +3,12 @@ partition, the batches in flight to their replicas, and the credit each shard ha
 
 A flush turns queued entries into one BATCH per replica group whose every in-sync replica has
 credit: the same header and tensor frames to each replica (and to the update log first).
+
+Tensors whose bytes are in a client's shared-memory ring (a descriptor's ``r``) travel as
+references to replicas that read shared memory and are inlined by the loop for the others
+(:attr:`~.actions.ToShard.inline`). The sequencer counts, per push, its entries that still
+reference the ring (queued, or in a batch some replica has not applied); when that reaches 0
+the push is in :attr:`Sequencer.freed`, and the core tells the client its slots are free.
 """
 from __future__ import annotations
 
@@ -11,7 +17,7 @@ from dataclasses import dataclass
 
 from gradbus.codecs import wire
 
-from .actions import ToShard
+from .actions import INLINE_COPY, INLINE_VIEW, ToShard
 
 ALL = wire.ACKS_ALL
 
@@ -25,6 +31,7 @@ class Batch:
     primary_done: bool = False
     epoch: int = 0                 # the partition's epoch when it was sent
     nbytes: int = 0                # its tensor frames' bytes (counted in held_bytes)
+    shm: list | None = None        # the refs of its entries whose bytes are in shared memory
 
 
 class Sequencer:
@@ -42,6 +49,8 @@ class Sequencer:
         self.inflight_bytes = 0             # tensor bytes of the batches in self.inflight
         self.inflight: dict[tuple[int, int], Batch] = {}             # (p, seq) -> batch
         self.pcount = [0] * partitions      # gradients batched into p since the last rate fold
+        self.shm_live: dict[tuple, int] = {}    # push ref -> its entries still reading the ring
+        self.freed: list[tuple] = []             # pushes whose ring slots nobody needs any more
 
     def accepting(self) -> bool:
         return self.pending_bytes < self.settings.max_pending_bytes
@@ -56,13 +65,27 @@ class Sequencer:
         """A batch leaves the in-flight set (applied by all it waited for, or failed)."""
         b = self.inflight.pop(key)
         self.inflight_bytes -= b.nbytes
+        if b.shm:
+            self._unref(b.shm)
         return b
+
+    def _unref(self, refs) -> None:
+        live = self.shm_live
+        for ref in refs:
+            n = live[ref] - 1
+            if n:
+                live[ref] = n
+            else:
+                del live[ref]
+                self.freed.append(ref)
 
     # ------------------------------------------------------------------ queueing
     def enqueue(self, p: int, entry: dict, raw_desc, frame, ref) -> None:
         self.pending_entries[p].append((entry, raw_desc, frame, ref))
         if frame is not None:
             self.pending_bytes += wire.frame_len(frame)
+            if "r" in raw_desc:
+                self.shm_live[ref] = self.shm_live.get(ref, 0) + 1
 
     def enqueue_push(self, ref: tuple, h: dict, routed: list, weights: dict, wall) -> None:
         """A push's entries, one per tensor, queued for their partitions."""
@@ -84,9 +107,11 @@ class Sequencer:
         refs = []
         for key in [k for k in self.inflight if k[0] == p]:
             refs += self.done(key).refs
-        for _entry, _raw, fr, ref in self.pending_entries.pop(p, []):
+        for _entry, raw, fr, ref in self.pending_entries.pop(p, []):
             if fr is not None:
                 self.pending_bytes -= wire.frame_len(fr)
+                if "r" in raw:
+                    self._unref((ref,))
             refs.append(ref)
         return refs
 
@@ -103,14 +128,20 @@ class Sequencer:
                 return False
         return True
 
-    def send_group(self, group: tuple, msg: list, actions: list) -> None:
-        """One BATCH to every live receiver of a replica group; each uses a credit."""
+    def send_group(self, group: tuple, msg: list, actions: list, refs: bool = False) -> None:
+        """One BATCH to every live receiver of a replica group; each uses a credit. With
+        ``refs`` (tensors in shared memory), a receiver that does not read it gets them inlined:
+        as views for an in-sync replica (the batch holds the slots until it applied it), as
+        copies for one catching up (nothing waits for it)."""
         shards = self.members.shards
-        for sid in (group[0], *group[1], *group[2]):
+        syncing = group[2]
+        for sid in (group[0], *group[1], *syncing):
             sh = shards.get(sid)
             if sh is not None and sh.alive:
                 sh.inflight += 1
-                actions.append(ToShard(sh.identity, msg))
+                inline = 0 if not refs else INLINE_COPY if sid in syncing else (
+                    0 if sh.shm else INLINE_VIEW)
+                actions.append(ToShard(sh.identity, msg, inline))
 
     def has_flushable(self, replaying) -> bool:
         group = self.table.group
@@ -132,7 +163,7 @@ class Sequencer:
             if not self.can_send(group):
                 continue
             primary, standbys, _ = group
-            header_parts, t_list, frames, nbytes = [], [], [], 0
+            header_parts, t_list, frames, nbytes, any_refs = [], [], [], 0, False
             for p in parts:
                 if nbytes >= max_bytes:
                     break
@@ -150,15 +181,19 @@ class Sequencer:
                 else:
                     del self.pending_entries[p]
                 self.seq[p] += 1
-                ents, refs, held = [], [], 0
+                ents, refs, held, shm = [], [], 0, None
                 for entry, raw, fr, ref in batch:
                     if fr is not None:
                         entry["i"] = len(frames)   # the entry dict is this batch's alone
                         t_list.append(raw)
                         frames.append(fr)
                         held += wire.frame_len(fr)
+                        if "r" in raw:
+                            shm = [] if shm is None else shm
+                            shm.append(ref)
                     ents.append(entry)
                     refs.append(ref)
+                any_refs = any_refs or shm is not None
                 self.pending_bytes -= held
                 self.inflight_bytes += held
                 header_parts.append({"p": p, "seq": self.seq[p], "epoch": epochs[p],
@@ -166,13 +201,13 @@ class Sequencer:
                 self.pcount[p] += len(ents)
                 self.meters.h_batch.observe(len(ents))
                 self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys},
-                                                        epoch=epochs[p], nbytes=held)
+                                                        epoch=epochs[p], nbytes=held, shm=shm)
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
             if self.log_policy is not None:
                 self.log_policy.append(actions, header_parts, t_list, frames, wall(), now)
             self.meters.counters["batches"] += 1
             self.meters.counters["batched_entries"] += sum(len(x["e"]) for x in header_parts)
-            self.send_group(group, [hdr, *frames], actions)
+            self.send_group(group, [hdr, *frames], actions, any_refs)
 
     def validate_state(self) -> list[str]:
         problems = []
@@ -185,6 +220,16 @@ class Sequencer:
         if self.inflight_bytes != sum(b.nbytes for b in self.inflight.values()):
             problems.append(f"inflight_bytes {self.inflight_bytes}, in-flight batches hold "
                             f"{sum(b.nbytes for b in self.inflight.values())}")
+        live: dict = {}
+        for es in self.pending_entries.values():
+            for _, raw, fr, ref in es:
+                if fr is not None and "r" in raw:
+                    live[ref] = live.get(ref, 0) + 1
+        for b in self.inflight.values():
+            for ref in b.shm or ():
+                live[ref] = live.get(ref, 0) + 1
+        if live != self.shm_live:
+            problems.append(f"shared-memory refs held {self.shm_live}, entries hold {live}")
         for (p, seq), b in self.inflight.items():
             if not b.waiting:
                 problems.append(f"in-flight batch {p}/{seq} waits for nobody")

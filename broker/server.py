@@ -27,12 +27,15 @@ import time
 import zmq
 
 from gradbus.codecs import net, security, wire
+from gradbus.codecs import shm as shmem
+from gradbus.codecs.errors import WireError
 
 from . import log as ulog
 from .actions import AppendLog, Publish, ReadLog, SyncLog, ToClient, ToShard
 from .core import BrokerCore
 from .faults import FaultInjector
 from .flow import ByteCap
+from .shm_io import ShmIO
 
 log = logging.getLogger("gradbus.broker")
 
@@ -51,9 +54,11 @@ class BrokerServer:
                  events_port: int = 0, batch_window: float = 0.0, clock=time.monotonic,
                  ctx: zmq.Context | None = None, curve: security.Curve | None = None,
                  on_metrics=None, log: ulog.UpdateLog | None = None, fault_drop: float = 0.0,
-                 fault_seed: int = 0, **core_kw):
-        """``log``: the update log to write (batches, as they go out); ``core_kw``: the
-        core's (partitions, replay, and the fields of :class:`~.settings.Settings`)."""
+                 fault_seed: int = 0, shm: bool | None = None, **core_kw):
+        """``log``: the update log to write (batches, as they go out); ``shm``: offer shared
+        memory to clients and shards on this host (None: ``$GRADBUS_SHM``, else on);
+        ``core_kw``: the core's (partitions, replay, and the fields of
+        :class:`~.settings.Settings`)."""
         self.clock = clock
         self.on_metrics = on_metrics   # called with a metrics snapshot every tick
         self.batch_window = batch_window
@@ -73,8 +78,10 @@ class BrokerServer:
         self.host = host
         self.curve = curve
         self.auth = self.handshakes = self.frontend = self.backend = self.events = None
+        self.shm_io = None
         try:
             self._open(curve, port, backend_port, events_port)
+            self.shm_io = ShmIO(self.core, f"{host}:{self.port}", shmem.wanted(shm))
         except BaseException:
             self.close()
             raise
@@ -129,12 +136,14 @@ class BrokerServer:
                 match act:
                     case ToClient(identity, frames):
                         self.frontend.send_multipart([identity, *frames], copy=False)
-                    case ToShard(identity, frames):
+                    case ToShard(identity, frames, inline):
+                        if inline:
+                            frames = self.shm_io.to_shard(frames, inline)
                         self.backend.send_multipart([identity, *frames], copy=False)
                     case Publish(frames):
-                        self.events.send_multipart(frames, copy=False)
+                        self.shm_io.publish(self.events, frames)
                     case AppendLog(parts, t_list, frames, at):
-                        self.log.append(parts, t_list, frames, at)
+                        self.log.append(parts, *self.shm_io.to_log(t_list, frames), at)
                     case SyncLog():
                         self.log.sync()
                     case ReadLog(identity, frames):
@@ -145,6 +154,11 @@ class BrokerServer:
                 # Peer gone (EHOSTUNREACH) or stuck past SNDTIMEO: count it, keep serving.
                 self.send_failures += 1
                 self.core.errors["send_" + (zmq.strerror(e.errno) or str(e.errno))] += 1
+            except WireError as e:
+                # a client's shared-memory ref names nothing readable (its ring is gone)
+                self.send_failures += 1
+                self.core.errors["shm_" + e.code.value] += 1
+                log.warning("shared memory: %s", e)
 
     def _with_log(self, identity: bytes, frames: list) -> list:
         """A REGISTER the core wants this broker's update log for: read it, hand it over."""
@@ -178,7 +192,7 @@ class BrokerServer:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.backend, zmq.POLLIN)
-        poller.register(self.events, zmq.POLLIN)   # subscription notices: read and discarded
+        poller.register(self.events, zmq.POLLIN)   # subscription notices: what topics to send
         poller.register(self.frontend, zmq.POLLIN)  # always: the byte cap holds producers back
         tick_every = self.core.settings.heartbeat_interval / 2
         next_tick = self.clock()
@@ -214,6 +228,7 @@ class BrokerServer:
                     if self.handshakes is not None:   # refused CURVE handshakes, in errors
                         self.handshakes.drain(self.core.errors)
                     self._do(self.handlers.on_tick(now))
+                    self.shm_io.tick(now)
                     if self.on_metrics is not None:
                         self.on_metrics(self.core.metrics(now))
                     next_tick = now + tick_every
@@ -233,7 +248,7 @@ class BrokerServer:
     def _drain_subscriptions(self) -> None:
         for _ in range(DRAIN_MAX):
             try:
-                self.events.recv(zmq.NOBLOCK)
+                self.shm_io.subscription(self.events.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
 
@@ -253,6 +268,8 @@ class BrokerServer:
         for s in (self.frontend, self.backend, self.events):
             if s is not None:
                 s.close(linger=0)
+        if self.shm_io is not None:
+            self.shm_io.close()
         if self.auth is not None:
             self.auth.stop()
         if self._own_ctx:

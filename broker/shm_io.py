@@ -1,0 +1,101 @@
+"""The broker loop's side of shared memory: its offer, reading peers' segments, and the events
+fan-out.
+
+* The offer: a small probe segment whose name and nonce WELCOME carries (with the cluster tag
+  and host identity); a client or shard that opens it and finds the nonce shares this
+  broker's shared-memory directory, and says so (REGISTER ``shm``, client HEARTBEAT ``shm``).
+* Inlining: a BATCH for a shard that does not read shared memory, and the update log, get a
+  client's ring bytes as frames (:func:`gradbus.codecs.wire.inline_refs`).
+* Events: a partition's UPDATE goes out on two topics, ``r`` + p for subscribers that read
+  shared memory (as the shard sent it: references into its board, or frames) and ``p`` + p for
+  the others (board blocks copied out first). Which topics have subscribers is learnt from the
+  XPUB's subscription notices, so nothing is copied for nobody.
+* Sweeping: the segments of this cluster's dead processes are removed every
+  :data:`SWEEP_EVERY` seconds and at exit; client rings are left alone while pushes that may
+  reference them are in flight.
+"""
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from gradbus.codecs import shm, wire
+
+log = logging.getLogger("gradbus.broker")
+
+SWEEP_EVERY = 5.0          # seconds between sweeps of dead processes' segments
+
+
+class ShmIO:
+    def __init__(self, core, cluster_url: str, enabled: bool):
+        self.core = core
+        self.cluster = shm.cluster_tag(cluster_url)
+        self.mapper = shm.Mapper()
+        self.probe: shm.Segment | None = None
+        self.subscribed: set[bytes] = set()     # topics some subscriber follows
+        self.next_sweep = 0.0
+        self.stats = core.meters.counters
+        if enabled and shm.usable():
+            try:
+                self.probe = shm.Segment.create(self.cluster, "b", 4096)
+            except OSError as e:
+                log.warning("shared memory is off: %s", e)
+        if self.probe is not None:
+            shm.sweep(self.cluster)
+            core.shm = {"cluster": self.cluster, "seg": self.probe.name,
+                        "nonce": self.probe.nonce, "host": shm.host_identity()}
+
+    # -- sends ---------------------------------------------------------------------------------
+    def to_shard(self, frames: list, inline: int) -> list:
+        out = wire.inline_refs(frames, 0, self.mapper, inline == 2)
+        self.stats["shm_inlined"] += 1
+        return out
+
+    def to_log(self, t_list: list, frames: list) -> tuple[list, list]:
+        return wire.inline_descs(t_list, frames, self.mapper)
+
+    def publish(self, sock: zmq.Socket, frames: list) -> None:
+        """One event. A partition's UPDATE goes to each of its two topics that has
+        subscribers; every other event as it is."""
+        topic = frames[0]
+        if topic[:1] != b"p":
+            sock.send_multipart(frames, copy=False)
+            return
+        shm_topic = b"r" + topic[1:]
+        if shm_topic in self.subscribed:
+            sock.send_multipart([shm_topic, *frames[1:]], copy=False)
+        if topic in self.subscribed:
+            out = wire.inline_refs(frames, 1, self.mapper, True)
+            if out is None:      # the shard rewrote a block first: those subscribers re-snapshot
+                self.stats["shm_torn_inline"] += 1
+                return
+            sock.send_multipart(out, copy=False)
+
+    def subscription(self, notice: bytes) -> None:
+        """An XPUB notice: ``\\x01`` + topic (a first subscriber) or ``\\x00`` + topic (the
+        last one left)."""
+        if notice[:1] == b"\x01":
+            self.subscribed.add(notice[1:])
+        elif notice[:1] == b"\x00":
+            self.subscribed.discard(notice[1:])
+
+    # -- housekeeping --------------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        if self.probe is None or now < self.next_sweep:
+            return
+        self.next_sweep = now + SWEEP_EVERY
+        self._sweep()
+
+    def _sweep(self) -> None:
+        # a dead client's ring stays while refs into it may be queued or in flight
+        roles = "sb" if self.core.sequencer.shm_live or self.core.consistency.barriers else "wsb"
+        removed = shm.sweep(self.cluster, roles, keep={self.probe.name})
+        self.stats["shm_swept"] += len(removed)
+
+    def close(self) -> None:
+        self.mapper.close()
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
+            shm.sweep(self.cluster)

@@ -33,6 +33,7 @@ class Publisher:
         self.store = store
         self.backend = backend
         self.stats = counters          # the shard's counters (shared with the other parts)
+        self.board = None              # a shm.Board to publish blocks into (the loop sets it)
 
     # -- after a batch -------------------------------------------------------------------------
     def result(self, done: PartApplied) -> tuple[dict, list]:
@@ -51,13 +52,22 @@ class Publisher:
             res["n"] = -1
             return res, []
         descs, bufs = [], []
+        board = self.board
         for blk in done.changed.values():
             if self.delta:
                 d, buf = self._encode_delta(blk, done.seq)
             else:
                 host = self.backend.to_host(blk.value)
                 d, buf = wire.encode_tensor(blk.key, host, self.weights_chain, blk.version)
-                buf = net.detach(buf, host)   # the next step writes the block in place
+                if board is None:
+                    buf = net.detach(buf, host)   # the next step writes the block in place
+            if board is not None:
+                ref = board.write(blk.key, buf)   # a copy into the board, not into a frame
+                if ref is not None:
+                    d["r"] = ref
+                    buf = b""
+                elif not self.delta:
+                    buf = net.detach(buf, host)
             descs.append(d)
             bufs.append(buf)
         pub = wire.pack(wire.UPDATE, descs, p=done.p, seq=done.seq, epoch=done.epoch)

@@ -46,6 +46,9 @@ class Replication:
         held = self.installing.get(int(part["p"]))
         if held is None:
             return False
+        # bytes read from a client's ring are its until the batch is applied by the in-sync
+        # replicas, which do not wait for this one: keep a copy
+        frames = [bytes(f) if type(f) is memoryview else f for f in frames]
         held.append((part, descs, frames))
         return True
 

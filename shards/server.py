@@ -23,11 +23,13 @@ import uuid
 import zmq
 
 from gradbus.codecs import net, security, timing, wire
+from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
 from . import checkpoint
 from .core import ShardCore
 from .registration import Connect, Heartbeat, Register, Registration
+from .shm_io import ShardShm
 
 log = logging.getLogger("gradbus.shard")
 
@@ -42,7 +44,10 @@ class ShardServer:
                  liveness: int = timing.LIVENESS, apply_delay: float = 0.0,
                  data_dir: str | None = None, checkpoint_interval: float = 0.0,
                  checkpoint_keep: int = 3, restore: str | None = None,
-                 on_metrics=None, metrics_url: str | None = None, **core_kw):
+                 on_metrics=None, metrics_url: str | None = None, shm: bool | None = None,
+                 **core_kw):
+        """``shm``: read pushes from and publish weights into shared memory when the broker is
+        on this host (None: ``$GRADBUS_SHM``, else on)."""
         net.split_url(broker_url)
         self.broker_url = broker_url
         self.shard_id = shard_id or f"shard-{uuid.uuid4().hex[:8]}"
@@ -58,6 +63,7 @@ class ShardServer:
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None
+        self.shm = ShardShm(shmem.wanted(shm))
         # until the broker is heard on self.sock: its handshake failures, and the time
         # (time.monotonic) by which a send on it must have gone out
         self._watch: security.HandshakeWatch | None = None
@@ -145,6 +151,7 @@ class ShardServer:
                                 curve=self.curve, stop=self.stopping)
         except net.Stopped:
             return False
+        self.shm.welcome(welcome)
         backend = net.url(host, welcome["backend"])
         self.sock = self.ctx.socket(zmq.DEALER)
         net.tune(self.sock)
@@ -212,7 +219,8 @@ class ShardServer:
                     todo.extendleft(reversed(self.reg.connected(self.clock())))
                 case Register(rejoin=rejoin):
                     sent = self._send(wire.pack(wire.REGISTER, shard=self.shard_id,
-                                                rejoin=rejoin, **self.core.register_fields()))
+                                                rejoin=rejoin, **self.core.register_fields(),
+                                                **self.shm.register_fields()))
                 case Heartbeat():
                     # counters every interval, busy or not (status and top read them)
                     info = self.core.info()
@@ -266,6 +274,8 @@ class ShardServer:
             head = _peek(frames[0]) if frames else {}
             kind = head.get("kind")
             self._act(self.reg.heard(self.clock(), kind, head.get("code")))
+            if kind == wire.REGISTERED:
+                self.shm.registered(head, self.core.publisher)
             if not frames or kind in (wire.REGISTERED, wire.HEARTBEAT):
                 continue
             if kind == wire.ERROR:
@@ -281,6 +291,8 @@ class ShardServer:
                 break
             if self.apply_delay:
                 time.sleep(self.apply_delay)
+            if head.get("t"):
+                self.shm.resolve(head, frames)
             try:
                 outs = self.core.handle(frames, head or None)
             except Exception:   # a bug must not take the shard down
@@ -319,6 +331,7 @@ class ShardServer:
             except zmq.ZMQError:
                 pass
         self._close_sock()
+        self.shm.close()
         if self._own_ctx:
             self.ctx.term()
         if final_failed:    # not a clean stop: the process exits non-zero

@@ -73,7 +73,7 @@ class Agent(threading.Thread):
         self.sub.connect(events_url)
         self.sub.subscribe(wire.TOPIC_TABLE)
         self.sub.subscribe(wire.TOPIC_HEARTBEAT)
-        self.dealer.send(wire.pack(wire.HEARTBEAT))  # registers this worker with the broker
+        self.dealer.send(self.state._hb)  # registers this worker with the broker
 
     def run(self) -> None:
         poller = zmq.Poller()

@@ -57,7 +57,7 @@ def broker_interval(welcome: dict) -> float:
 class AgentState:
     def __init__(self, welcome: dict, *, cache, cond: threading.Condition, credit, versions,
                  stats, next_id, max_tensor_bytes: int, resend: ResendTimer | None,
-                 clock=time.monotonic):
+                 clock=time.monotonic, shm=None):
         self.cache, self.cond, self.credit, self.versions = cache, cond, credit, versions
         self.stats, self.next_id, self.max_tensor_bytes = stats, next_id, max_tensor_bytes
         self.resend = resend
@@ -79,7 +79,9 @@ class AgentState:
         self.retries: list = []                     # (when, keys) re-snapshots to try again
         self.retry_count: dict[str, int] = {}       # first key -> failed attempts in a row
         self.out: list = []
-        self._hb = wire.pack(wire.HEARTBEAT)
+        self.shm = shm                              # a ClientShm, or None: frames only
+        self.topic = wire.topic_partition_shm if shm is not None else wire.topic_partition
+        self._hb = wire.pack(wire.HEARTBEAT, **({"shm": True} if shm is not None else {}))
 
     def take(self) -> list:
         """The actions decided since the last call, in order."""
@@ -106,7 +108,7 @@ class AgentState:
             keys = []
             for layout in cmd.layouts:
                 new_parts, ks = self.cache.track(layout)
-                self.out.extend(Subscribe(wire.topic_partition(p)) for p in new_parts)
+                self.out.extend(Subscribe(self.topic(p)) for p in new_parts)
                 keys += ks
             if keys:
                 self._snapshot(keys, cmd.future)
@@ -178,6 +180,10 @@ class AgentState:
         kind = h["kind"]
         if kind in (wire.ACK, wire.INIT_OK) or (kind == wire.ERROR and "msg" in h):
             self._settle(h)
+        elif kind == wire.FREE:
+            if self.shm is not None:
+                self.stats["shm_freed"] += self.shm.free(
+                    [m for m in h["msgs"] if isinstance(m, int)])
         elif kind == wire.SNAPSHOT_REPLY:
             self._on_snapshot(h, frames[1:])
         elif kind == wire.ROWS_REPLY:
@@ -341,7 +347,7 @@ class AgentState:
                 self.cond.notify_all()
         elif topic == wire.TOPIC_HEARTBEAT:
             self._on_heartbeat(wire.unpack_header(frames[1], frozenset({wire.HEARTBEAT})))
-        elif topic.startswith(b"p"):
+        elif topic[:1] in (b"p", b"r"):
             self._on_update(frames)
 
     def _on_heartbeat(self, h: dict) -> None:
@@ -363,12 +369,16 @@ class AgentState:
         part = self.cache.parts.get(h["p"])
         if part is None:
             return
-        blocks = self._blocks(h, frames[2:], part.keys)
+        tensors = frames[2:]
+        if self.shm is not None and not self.shm.resolve(h, tensors):
+            self.stats["shm_torn"] += 1     # rewritten before it was read: the gap re-snapshots
+            return
+        blocks = self._blocks(h, tensors, part.keys)
         with self.cond:
             gap = self.cache.on_update(h["p"], h["seq"], blocks)
             self.cond.notify_all()
         self.stats["updates_received"] += 1
-        self.stats["recv_bytes"] += sum(len(f) for f in frames[2:])
+        self.stats["recv_bytes"] += sum(wire.frame_len(f) for f in tensors)
         if gap:
             self._snapshot(self.cache.resync_keys(h["p"]), None)
 

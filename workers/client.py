@@ -26,6 +26,7 @@ import numpy as np
 import zmq
 
 from gradbus.codecs import device, net, security, specs, wire
+from gradbus.codecs import shm as shmem
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import (
     BrokerUnavailableError,
@@ -44,6 +45,7 @@ from .commands import Request, SendMessage, Stop, Track
 from .credit import CreditWindow
 from .pipeline import PushPipeline
 from .resend import RESEND_AFTER, RESEND_MAX, ResendTimer
+from .shm_io import ClientShm
 from .table_ops import TableMethods
 from .versions import Versions
 
@@ -80,7 +82,7 @@ class Client(TableMethods):
                  error_feedback: bool | str = True, seed: int | None = None,
                  window_bytes: int = DEFAULT_WINDOW_BYTES,
                  resend_after: float | None = RESEND_AFTER,
-                 curve: security.Curve | bool | None = None):
+                 curve: security.Curve | bool | None = None, shm: bool | None = None):
         self.url = url or net.default_broker()
         host, _ = net.split_url(self.url)
         tcodec.parse_chain(codec)
@@ -115,6 +117,7 @@ class Client(TableMethods):
         try:
             welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure,
                                 curve=self.curve)
+            self.shm = ClientShm.offered(welcome, shmem.wanted(shm), window_bytes)
             self.partitions = welcome["partitions"]
             self.cache = self.pipeline.cache = WeightCache(self.partitions)
             self.cache.down = set(welcome.get("down") or [])
@@ -123,12 +126,14 @@ class Client(TableMethods):
                 versions=self.versions, stats=self.stats, next_id=self._ids.__next__,
                 max_tensor_bytes=max_tensor_bytes,
                 resend=ResendTimer(resend_after, max(RESEND_MAX, resend_after))
-                if resend_after else None)
+                if resend_after else None, shm=self.shm)
             self.agent = Agent(self.ctx, self.client_id, self.state, self._lock)
             self.agent.open(self.url, net.url(host, welcome["events"]), self.curve,
                             curve_configure)
         except BaseException:
             self.ctx.destroy(linger=0)
+            if getattr(self, "shm", None) is not None:
+                self.shm.close()
             raise
         self.agent.start()
 
@@ -313,10 +318,14 @@ class Client(TableMethods):
         try:
             with self._lock:
                 self._check_open()
+                if self.shm is not None:
+                    bufs = self.shm.place(msg, descs, bufs)
                 frames = [wire.pack(wire.PUSH, descs, msg=msg, acks=acks, **extra), *bufs]
                 self.agent.submit(SendMessage(msg, frames, fut if acks else None))
         except BaseException:
             self.credit.release((msg,))
+            if self.shm is not None:
+                self.shm.free((msg,))
             raise
         self.stats["pushes"] += 1
         self.stats["push_bytes"] += nbytes
@@ -463,6 +472,8 @@ class Client(TableMethods):
             self.agent.join(timeout=5)
             self.agent.pipe_out.close(linger=0)
             self.ctx.term()
+            if self.shm is not None:
+                self.shm.close()
 
     def __enter__(self) -> "Client":
         return self

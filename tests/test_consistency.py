@@ -104,8 +104,14 @@ def test_bsp_workers_through_a_cluster_apply_whole_steps(make_cluster):
         setup.init({"w": np.zeros(8, np.float32)}, optimizer=gradbus.SGD(lr=0.5),
                    consistency="bsp:2")
 
+    # a barrier counts the workers the broker knows: both are known (their first pull has a
+    # reply) before either pushes, or the first step could go with one worker
+    both_known = threading.Barrier(2, timeout=30)
+
     def worker(i):
         with gradbus.connect(cluster.url) as c:
+            c.pull(["w"], timeout=30)
+            both_known.wait()
             for _ in range(steps):
                 w = c.pull(["w"], timeout=30)["w"]          # waits for the last step
                 seen[i].append(c.version("w"))

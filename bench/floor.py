@@ -12,6 +12,13 @@ batched, validated or republished. ``--work`` says what each side does per push:
     bf16   as raw, with the worker casting to bf16 instead of copying, and the shard widening
            the bits back to float32; both with gradbus's own codec (numba's one-pass loops
            where numba imports, as gradbus uses them)
+    shm    only headers go through the broker: each worker copies its gradient into a slot of
+           its own shared-memory ring (as many slots as gradbus's default credit window, 32
+           pushes and 128 MiB, allows), the shard steps its weights reading the slot in place,
+           writes them to a shared-memory board behind a seqlock and acks; on every ack the
+           worker copies the weights out of the board. No checksum, no sequencing. Segments are
+           files in /dev/shm named ``gradbus-bench-*``, removed at the end (bench/peers.py
+           runs this variant beside gradbus and PyTorch RPC)
 
 The broker and shard keep the memory they free, as gradbus's do (gradbus/memory.py).
 
@@ -19,16 +26,21 @@ In the same run it measures ``zmq.proxy`` as bench/throughput.py does, and print
 per work level with the pipeline's pushes per second and its ratio to the proxy. A gradbus
 ratio near the ``raw`` line's is gradbus adding little to the work itself.
 
-Usage: python bench/floor.py [--size 4M] [--work none,raw,bf16] [--seconds S] [--repeat N]
+Usage: python bench/floor.py [--size 4M] [--work none,raw,bf16,shm] [--seconds S] [--repeat N]
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import mmap
 import multiprocessing as mp
 import os
+import secrets
 import statistics
+import struct
 import sys
+import time
 
 import numpy as np
 import zmq
@@ -147,6 +159,232 @@ def run_floor(nbytes: int, work: str, warmup: float, seconds: float) -> float:
             p.join(10)
 
 
+# ----------------------------------------------------------------------------- shm
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "gradbus-bench-"
+RING_BYTES = 128 << 20      # gradbus's default credit window: 32 pushes and 128 MiB
+BOARD_HEADER = 64           # the board's seqlock counter has its first cache line to itself
+SLOT = struct.Struct("<HI")  # a push's header: the worker, the ring slot
+
+
+class Segments:
+    """The shared-memory files of one run, which this object owns: made with O_CREAT|O_EXCL,
+    mode 0600 and posix_fallocate under /dev/shm as ``gradbus-bench-<pid>-<token>-<label>``, and
+    all removed when the ``with`` block ends, also on an error."""
+
+    def __init__(self, directory: str = SHM_DIR):
+        self.directory, self.paths = directory, []
+        self.stem = f"{SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
+
+    def make(self, label: str, nbytes: int) -> str:
+        path = os.path.join(self.directory, self.stem + label)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.paths.append(path)
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        finally:
+            os.close(fd)
+        return path
+
+    def remove(self) -> None:
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.paths = []
+
+    def __enter__(self) -> "Segments":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def map_segment(path: str) -> mmap.mmap:
+    """The whole of an existing segment, mapped shared, read-write."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def ring_slots(nbytes: int) -> int:
+    return max(1, min(IN_FLIGHT, RING_BYTES // nbytes))
+
+
+class Ring:
+    """A worker's gradient slots in one segment: push k is in slot k mod ``slots``, and a slot
+    is written again only after the push in it was acked (the worker's credit is the slots)."""
+
+    def __init__(self, path: str, n: int, slots: int):
+        self.map = map_segment(path)
+        self.slots = np.frombuffer(self.map, np.float32, slots * n).reshape(slots, n)
+
+    @staticmethod
+    def size(n: int, slots: int) -> int:
+        return 4 * n * slots
+
+
+class Board:
+    """A block of float32 weights in one segment behind a seqlock, one writer, any readers.
+    The writer makes the counter odd, writes the block, makes it even; a reader copies the block
+    and keeps the copy only when the counter was even and the same before and after. The
+    counter and the block are plain loads and stores: this relies on x86's store and load
+    ordering (other machines would need fences)."""
+
+    def __init__(self, path: str, n: int):
+        self.map = map_segment(path)
+        self.seq = np.frombuffer(self.map, np.uint64, 1)
+        self.data = np.frombuffer(self.map, np.float32, n, BOARD_HEADER)
+
+    @staticmethod
+    def size(n: int) -> int:
+        return BOARD_HEADER + 4 * n
+
+    def write(self, block: np.ndarray) -> None:
+        s = int(self.seq[0])
+        self.seq[0] = s + 1
+        np.copyto(self.data, block)
+        self.seq[0] = s + 2
+
+    def read(self, out: np.ndarray) -> int:
+        """Copies the newest whole block into ``out``; returns its version (writes before it)."""
+        while True:
+            before = int(self.seq[0])
+            if before & 1:
+                os.sched_yield()
+                continue
+            np.copyto(out, self.data)
+            if int(self.seq[0]) == before:
+                return before >> 1
+
+
+def _shm_shard(back: int, n: int, rings: list, board: str, slots: int) -> None:
+    memory.keep_freed_memory()
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"tcp://127.0.0.1:{back}")
+    s.send(b"hello")
+    rings = [Ring(path, n, slots) for path in rings]
+    out = Board(board, n)
+    acc, w = np.empty(n, np.float32), np.zeros(n, np.float32)
+    lr = np.asarray(-1e-6, np.float32)
+    out.write(w)
+    while True:
+        client, header = s.recv_multipart(copy=False)
+        worker, slot = SLOT.unpack(header.bytes)
+        np.multiply(rings[worker].slots[slot], lr, out=acc)    # the gradient, read in place
+        w += acc                                                # an SGD step: w -= lr * g
+        out.write(w)
+        s.send_multipart([client, b"ack"])
+
+
+def _shm_worker(front: int, index: int, n: int, ring: str, board: str, slots: int,
+                counters, stop) -> None:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.connect(f"tcp://127.0.0.1:{front}")
+    ring, weights = Ring(ring, n, slots), Board(board, n)
+    g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
+    w = np.empty(n, np.float32)
+    sent = in_flight = 0
+    while not stop.value:
+        while in_flight < slots:
+            slot = sent % slots
+            np.copyto(ring.slots[slot], g)
+            s.send(SLOT.pack(index, slot))
+            sent += 1
+            in_flight += 1
+        if not s.poll(200):
+            continue
+        s.recv()
+        in_flight -= 1
+        weights.read(w)             # the fresh weights, as a training step would take them
+        counters[index] += 1
+    s.close(linger=0)
+    ctx.term()
+
+
+def stop_processes(procs, grace: float = 10.0) -> None:
+    """Terminates every multiprocessing child of ``procs`` still running, kills one that outlives
+    ``grace`` seconds, and reaps them all."""
+    for p in procs:
+        if p.pid is not None and p.exitcode is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(max(0.1, deadline - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
+
+
+@contextlib.contextmanager
+def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS):
+    """The ``shm`` pipeline running: a broker, a shard and ``workers`` workers (spawned
+    processes); worker i adds one to ``counters[i]`` per push acked and stops when
+    ``stop.value`` is set. Yields the processes; on leaving, every process is reaped and every
+    segment removed."""
+    ctx = mp.get_context("spawn")
+    n, slots = nbytes // 4, ring_slots(nbytes)
+    front, back = throughput.free_port(), throughput.free_port()
+    procs = []
+    with Segments() as segs:
+        try:
+            rings = [segs.make(f"ring{i}", Ring.size(n, slots)) for i in range(workers)]
+            board = segs.make("board", Board.size(n))
+            procs = [ctx.Process(target=_broker, args=(front, back), daemon=True),
+                     ctx.Process(target=_shm_shard, args=(back, n, rings, board, slots),
+                                 daemon=True)]
+            procs += [ctx.Process(target=_shm_worker, daemon=True,
+                                  args=(front, i, n, rings[i], board, slots, counters, stop))
+                      for i in range(workers)]
+            for p in procs:
+                p.start()
+            yield procs
+        finally:
+            stop.value = 1
+            for p in procs[2:]:
+                if p.pid is not None:
+                    p.join(10)
+            stop_processes(procs)
+
+
+def count_window(counters, alive, warmup: float, seconds: float, sample=None,
+                 ready_timeout: float = 120.0) -> dict:
+    """Counts events in a window: waits until every worker counted one (``alive()`` true all
+    along), waits ``warmup`` seconds, then takes ``seconds``. ``sample()``, if given, is called
+    at both ends of the window. Returns the events, the window's seconds and both samples."""
+    deadline = time.monotonic() + ready_timeout
+    while min(counters) == 0:
+        if not alive():
+            raise RuntimeError("a process of the configuration ended before it was ready")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every worker counted an event in {ready_timeout:.0f}s")
+        time.sleep(0.05)
+    time.sleep(warmup)
+    first = sample() if sample else None
+    c0, t0 = sum(counters), time.perf_counter()
+    time.sleep(seconds)
+    c1, t1 = sum(counters), time.perf_counter()
+    last = sample() if sample else None
+    if not alive():
+        raise RuntimeError("a process of the configuration ended during the window")
+    return {"events": c1 - c0, "seconds": t1 - t0, "first": first, "last": last}
+
+
+def run_floor_shm(nbytes: int, warmup: float, seconds: float) -> float:
+    """The ``shm`` pipeline's pushes acked per second, all workers."""
+    ctx = mp.get_context("spawn")
+    counters, stop = ctx.RawArray("q", WORKERS), ctx.RawValue("b", 0)
+    with shm_pipeline(nbytes, counters, stop) as procs:
+        win = count_window(counters, lambda: all(p.exitcode is None for p in procs),
+                           warmup, seconds)
+    return win["events"] / win["seconds"]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="4M", choices=sorted(throughput.SIZES))
@@ -156,14 +394,15 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=1)
     a = ap.parse_args(argv)
     works = a.work.split(",")
-    if a.repeat < 1 or not set(works) <= {"none", "raw", "bf16"}:
-        ap.error("--repeat must be at least 1 and --work a list of none, raw, bf16")
+    if a.repeat < 1 or not set(works) <= {"none", "raw", "bf16", "shm"}:
+        ap.error("--repeat must be at least 1 and --work a list of none, raw, bf16, shm")
     nbytes = throughput.SIZES[a.size]
     proxies, rates = [], {w: [] for w in works}
     for _ in range(a.repeat):         # interleaved with the proxy, as bench/throughput.py does
         proxies.append(throughput.run_proxy(nbytes, WORKERS, 1, a.warmup, a.seconds))
         for w in works:
-            rates[w].append(run_floor(nbytes, w, a.warmup, a.seconds))
+            rates[w].append(run_floor_shm(nbytes, a.warmup, a.seconds) if w == "shm"
+                            else run_floor(nbytes, w, a.warmup, a.seconds))
     for w, rs in rates.items():
         print(json.dumps({"bench": "floor", "size": a.size, "bytes": nbytes, "workers": WORKERS,
                           "work": w, "pushes_per_s": round(statistics.median(rs), 1),

@@ -42,12 +42,12 @@ def status(core, now: float) -> dict:
                        "syncing": sum(1 for v in tb.syncing.values() if s.id in v),
                        "bytes": s.bytes,
                        "load": [round(x, 4) for x in load.get(s.id, (0.0, 0.0))],
-                       "inflight": s.inflight,
+                       "inflight": s.inflight, "shm": s.shm,
                        "last_seen_s": round(now - s.last_seen, 3), "info": s.info})
     workers = [{"id": c.identity.hex(), "pushes": c.pushes, "errors": dict(c.errors),
                 "pushes_per_s": round(c.rate * math.exp(-max(0.0, now - c.rate_at) / 5.0), 2),
                 "staleness": None if c.staleness is None else round(c.staleness, 2),
-                "last_seen_s": round(now - c.last_seen, 3)}
+                "shm": c.shm, "last_seen_s": round(now - c.last_seen, 3)}
                for c in members.clients.values()]
     tensors = [{"name": n, "dtype": t.layout.dtype, "shape": list(t.layout.shape),
                 "blocks": t.layout.nblocks, "version": t.version,
@@ -75,6 +75,7 @@ def status(core, now: float) -> dict:
             "moves_in_progress": [{"p": p, **mv} for p, mv in sorted(rb.moves.items())],
             "draining": sorted(rb.draining),
             "shards": shards, "workers": workers, "tensors": tensors, "tables": tables,
+            "shm": core.shm is not None,
             "pending_bytes": sq.pending_bytes, "held_bytes": sq.held_bytes,
             "counters": dict(m.counters),
             "staleness": {"count": h.count, "p50": h.quantile(0.5), "p99": h.quantile(0.99),

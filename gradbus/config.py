@@ -107,6 +107,8 @@ SECTIONS = {
     "client": "Clients (workers, shards, ops commands): the broker to reach and credit windows.",
     "security": "CurveZMQ key files.",
     "metrics": "Prometheus metrics endpoints.",
+    "shm": "The same-host data path: tensor bytes through shared memory between processes "
+           "of one user on one host.",
 }
 
 SETTINGS: tuple[Setting, ...] = (
@@ -176,6 +178,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Directory of the public key files (NAME.key) of the shards and clients the "
             "broker admits.", feeds=("broker --curve-allow",)),
     # [metrics]
+    Setting("shm", "enabled", click.BOOL, True,
+            "Offer (broker), take up (shard) shared memory for tensor bytes with peers on this "
+            "host; clients read $GRADBUS_SHM.",
+            feeds=("broker --shm", "shard --shm", "up --shm"), env_aliases=("GRADBUS_SHM",)),
     Setting("metrics", "port", PORT, None,
             "The broker's Prometheus metrics port (0: a free one; unset: off); with up, the "
             "first of the cluster's ports.", feeds=("broker --metrics-port", "up --metrics-port")),
@@ -193,6 +199,8 @@ BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
 # -- loading and validating ---------------------------------------------------------------
 
 def _describe(t: click.ParamType) -> str:
+    if isinstance(t, click.types.BoolParamType):
+        return "true or false"
     if isinstance(t, click.types.IntParamType):
         return "an integer"
     if isinstance(t, click.types.FloatParamType):
@@ -208,6 +216,8 @@ def _toml_kind(v) -> str:
 
 
 def _right_type(t: click.ParamType, v) -> bool:
+    if isinstance(t, click.types.BoolParamType):
+        return isinstance(v, bool)
     if isinstance(v, bool):
         return False
     if isinstance(t, click.types.IntParamType):
@@ -419,6 +429,8 @@ def config_option(cmd: click.Command) -> click.Command:
 # -- `gradbus config` ----------------------------------------------------------------------
 
 def _toml(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
     if isinstance(v, str):
         return json.dumps(v)
     if isinstance(v, float):

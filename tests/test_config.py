@@ -346,7 +346,7 @@ def test_up_hands_the_file_to_its_children(tmp_path, monkeypatch):
     assert r.exit_code == 1 and "not starting in this test" in r.output
     assert (seen["port"], seen["host"], seen["partitions"], seen["shards"]) == \
         (6001, "127.0.0.2", 8, 3)
-    forward = ["--config", os.path.abspath(f)]
+    forward = ["--config", os.path.abspath(f), "--shm"]   # up's own --shm/--no-shm for both
     assert seen["shard_args"] == seen["broker_args"] == forward
     assert seen["replicas"] == 2      # from the file
 

@@ -18,6 +18,11 @@ def fmt_bytes(n: float) -> str:
     return str(n)
 
 
+def _on(row: dict) -> str:
+    """A shard's or worker's SHM column: whether its tensor bytes go through shared memory."""
+    return "on" if row.get("shm") else "off"
+
+
 def status_text(st: dict, url: str) -> str:
     """``gradbus status``: a summary of a broker's status ``st`` (from ``url``), then one table
     each of shards, workers, tensors and (when there are any) embedding tables."""
@@ -33,22 +38,25 @@ def status_text(st: dict, url: str) -> str:
         f"{c.get('failovers', 0)}  moves {c.get('moves', 0)}"
         + (f" ({len(st['moves_in_progress'])} under way)" if st["moves_in_progress"] else "")
         + (f"  draining {','.join(st['draining'])}" if st["draining"] else ""),
+        f"shm      {'offered' if st.get('shm') else 'off'}  freed {c.get('shm_freed', 0)}"
+        f"  inlined {c.get('shm_inlined', 0)}",
         "",
         (f"{'SHARD':<16}{'STATE':<8}{'PRIMARY':>8}{'STANDBY':>8}{'SYNCING':>8}{'BYTES':>12}"
-        f"{'APPLIED':>10}{'INFLIGHT':>10}{'SEEN':>8}"),
+        f"{'APPLIED':>10}{'INFLIGHT':>10}{'SEEN':>8}{'SHM':>5}"),
     ]
     for s in st["shards"]:
         lines.append(f"{s['id']:<16}{'alive' if s['alive'] else 'DEAD':<8}{s['primary']:>8}"
                      f"{s['standby']:>8}{s['syncing']:>8}"
                      f"{fmt_bytes(s['bytes']):>12}{s['info'].get('pushes_applied', 0):>10}"
-                     f"{s['inflight']:>10}{s['last_seen_s']:>7.1f}s")
+                     f"{s['inflight']:>10}{s['last_seen_s']:>7.1f}s{_on(s):>5}")
     lines += ["", (f"{'WORKER':<34}{'PUSHES':>10}{'RATE/S':>8}{'STALENESS':>10}{'REFUSED':>9}"
-                  f"{'SEEN':>8}")]
+                  f"{'SEEN':>8}{'SHM':>5}")]
     for w in st["workers"]:
         stale = w.get("staleness")
         lines.append(f"{w['id']:<34}{w['pushes']:>10}{w.get('pushes_per_s', 0):>8.1f}"
                      f"{'-' if stale is None else f'{stale:.1f}':>10}"
-                     f"{sum(w.get('errors', {}).values()):>9}{w['last_seen_s']:>7.1f}s")
+                     f"{sum(w.get('errors', {}).values()):>9}{w['last_seen_s']:>7.1f}s"
+                     f"{_on(w):>5}")
     lines += ["", f"{'TENSOR':<24}{'DTYPE':<9}{'SHAPE':<18}{'BLOCKS':>7}{'VERSION':>9}  OPTIMIZER"]
     for t in st["tensors"]:
         lines.append(f"{t['name']:<24}{t['dtype']:<9}{tuple(t['shape'])!s:<18}"

@@ -61,6 +61,8 @@ from gradbus.codecs.partition import DEFAULT_PARTITIONS
 @click.option("--replay-until", default=None,
               help="Replay only batches logged at or before this time (unix seconds or ISO "
                    "8601).")
+@click.option("--shm/--no-shm", default=True, show_default=True,
+              help="Tensor bytes through shared memory with peers on this host.")
 @click.option("--expect-shards", type=click.IntRange(1), default=None,
               help="After a restart or restore: once this many shards registered, stop "
                    "waiting for others to bring partitions back.")
@@ -68,7 +70,7 @@ from gradbus.codecs.partition import DEFAULT_PARTITIONS
 def broker(host, port, backend_port, events_port, partitions, batch_window, shard_credit,
            max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
            verbose, curve, metrics_port, metrics_host, log_dir, log_fsync, replay_log,
-           replay_until, expect_shards):
+           replay_until, shm, expect_shards):
     """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
     with --metrics-port)."""
     opts.setup_logging(verbose)
@@ -92,7 +94,7 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
                            replicas=replicas, heartbeat_interval=heartbeat_interval,
                            liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed,
                            curve=curve, on_metrics=exporter.update if exporter else None,
-                           expect_shards=expect_shards, **log_kw)
+                           expect_shards=expect_shards, shm=shm, **log_kw)
     except Exception as e:
         if exporter:
             exporter.close()
@@ -132,6 +134,8 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
                    "clean stop).")
 @click.option("--checkpoint-keep", default=3, show_default=True, type=click.IntRange(1),
               help="Checkpoints kept.")
+@click.option("--shm/--no-shm", default=True, show_default=True,
+              help="Tensor bytes through shared memory with peers on this host.")
 @click.option("--restore", "restore_path", type=click.Path(exists=True, file_okay=False),
               default=None, help="Load this checkpoint directory before registering.")
 @curve_options("shard")
@@ -140,7 +144,7 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
 @click.pass_context
 def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay,
           heartbeat_interval, liveness, data_dir, checkpoint_interval, checkpoint_keep,
-          restore_path, verbose, curve, metrics_port, metrics_host):
+          restore_path, shm, verbose, curve, metrics_port, metrics_host):
     """Run a shard in the foreground; it needs only the broker's client URL.
     (`gradbus shard drain ID` moves everything off a running shard instead.)"""
     if ctx.invoked_subcommand is not None:
@@ -152,7 +156,8 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
                       apply_delay=fault_apply_delay, heartbeat_interval=heartbeat_interval,
                       liveness=liveness, data_dir=data_dir,
                       checkpoint_interval=checkpoint_interval,
-                      checkpoint_keep=checkpoint_keep, restore=restore_path, curve=curve)
+                      checkpoint_keep=checkpoint_keep, restore=restore_path, curve=curve,
+                      shm=shm)
     exporter = opts.exporter(metrics_port, metrics_host, f"{srv.shard_id}-metrics")
     if exporter:
         srv.on_metrics, srv.metrics_url = exporter.update, exporter.url
@@ -189,11 +194,13 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
               help="Shards checkpoint under DIR/<shard id>/ and start (and restart) from their "
                    "newest checkpoint there (default: the [shard] data_dir setting; unset: "
                    "no checkpoints).")
+@click.option("--shm/--no-shm", default=True, show_default=True,
+              help="Tensor bytes through shared memory with peers on this host.")
 @click.option("--max-restarts", default=RESTARTS, show_default=True, type=click.IntRange(0),
               help=f"Restarts of one process within {RESTART_WINDOW:g}s before up gives up "
                    "and exits non-zero (0: none).")
 def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backend_port,
-       events_port, data_dir, max_restarts):
+       events_port, data_dir, shm, max_restarts):
     """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM.
 
     A process that dies is started again after a back-off: the broker on the same ports, a
@@ -204,6 +211,7 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
     opts.on_signals(stop.set)
     ctx = click.get_current_context()
     forward = config.forward_args(ctx)   # children read the same file
+    forward = [*forward, "--shm" if shm else "--no-shm"]
     if replicas > shards:
         raise click.BadParameter(f"{replicas} replicas need at least as many shards "
                                  f"(--shards {shards})", param_hint="--replicas")

@@ -308,6 +308,9 @@ class LocalCluster:
         self.broker = None
         self.shard_procs.clear()
         self.broker_proc = None
+        if self.port:    # what a killed process of this cluster left in shared memory
+            from gradbus.codecs import shm
+            shm.sweep(shm.cluster_tag(f"{self.host}:{self.port}"))
         return codes
 
     def __enter__(self) -> "LocalCluster":

@@ -301,7 +301,8 @@ class Client(TableMethods):
     def _send_push(self, flats: dict, layouts: dict, chain: str, acks: int,
                    version: int | None, timeout: float | None,
                    counts: dict | None = None) -> Future:
-        descs, bufs, residuals = self.pipeline.encode(flats, layouts, chain, counts)
+        descs, bufs, residuals = self.pipeline.encode(flats, layouts, chain, counts,
+                                                      detach=self.shm is None)
         extra = {"ver": int(version)} if version is not None else {}
         fut = self._submit_push(descs, bufs, acks, timeout, extra)
         self.pipeline.commit(residuals)    # only now is the push really on its way

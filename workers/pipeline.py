@@ -30,9 +30,11 @@ class PushPipeline:
 
     # -- encoding ---------------------------------------------------------------------------
     def encode(self, flats: dict, layouts: dict, chain: str,
-               counts: dict | None = None) -> tuple[list, list, dict]:
+               counts: dict | None = None, detach: bool = True) -> tuple[list, list, dict]:
         """``(descs, bufs, residuals)`` of a push of ``flats`` (name -> flat gradient) in
-        blocks; ``counts``: name -> how many gradients a sum stands for."""
+        blocks; ``counts``: name -> how many gradients a sum stands for. ``detach=False``: a
+        raw block's buffer may be the caller's memory (it is copied into a ring slot before
+        :meth:`push` returns)."""
         lossy = (tcodec.is_lossy(chain) if self.error_feedback == "all" else
                  self.error_feedback and tcodec.drops_more_than_rounding(chain))
         descs, bufs, residuals = [], [], {}
@@ -52,7 +54,7 @@ class PushPipeline:
                     residuals[key] = (block - decoded).astype(block.dtype, copy=False)
                 else:
                     d, buf = wire.encode_tensor(key, block, chain, rng=self.rng)
-                    if not on_device:
+                    if not on_device and detach:
                         buf = net.detach(buf, flat)   # never send the caller's own memory
                 if cnt != 1:
                     d["cnt"] = cnt      # the shard applies it as cnt gradients (steps of the mean)

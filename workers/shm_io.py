@@ -9,6 +9,8 @@ shared memory does.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from gradbus.codecs import shm, wire
 
 RING_SLACK = 1.5     # ring bytes per byte of credit window: slots wait for FREE after the ACK
@@ -36,8 +38,9 @@ class ClientShm:
         """The frames of push ``msg``: empty where its bytes went into the ring (its
         descriptors then carry the refs), the buffers themselves when the ring is full."""
         refs = self.ring.place(msg, bufs)
-        if refs is None:
-            return bufs
+        if refs is None:     # frames after all: never the caller's own memory (not detached)
+            return [b.copy() if isinstance(b, np.ndarray) and not b.flags.owndata else b
+                    for b in bufs]
         for d, ref in zip(descs, refs):
             d["r"] = ref
         return [b""] * len(bufs)

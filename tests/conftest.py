@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from gradbus.cluster import LocalCluster
-from gradbus.codecs import security
+from gradbus.codecs import net, security, shm
 from gradbus.shards import checkpoint
 
 from . import rigs
@@ -146,6 +146,22 @@ def no_leaked_sockets_or_fds():
             pytest.fail("leaked: " + "; ".join(found))
 
 
+@pytest.fixture(autouse=True)
+def data_path(request, monkeypatch):
+    """Where tensor bytes travel between processes of a host: ``"shm"`` (the default) or
+    ``"frames"`` (``GRADBUS_SHM=0`` for every process the test starts). A module that sets
+    ``BOTH_DATA_PATHS = True`` runs each of its tests both ways."""
+    mode = getattr(request, "param", None)
+    if mode is not None:
+        monkeypatch.setenv("GRADBUS_SHM", "1" if mode == "shm" else "0")
+    return mode
+
+
+def pytest_generate_tests(metafunc):
+    if getattr(metafunc.module, "BOTH_DATA_PATHS", False) and "data_path" in metafunc.fixturenames:
+        metafunc.parametrize("data_path", ["shm", "frames"], indirect=True)
+
+
 @pytest.fixture
 def make_cluster():
     """Factory: ``make_cluster(shards=2, processes=True)`` -> a started LocalCluster.
@@ -167,8 +183,12 @@ def make_cluster():
         if c.broker_proc is not None and c.broker_proc.poll() is None:
             problems += replica_mismatches(c)
         cores = cluster_cores(c)
+        url = c.url
         c.stop()
         problems += state_problems(cores)
+        if url:     # shared memory: nothing of the cluster is left once it stopped
+            left = shm.segments(shm.cluster_tag("%s:%d" % net.split_url(url)))
+            problems += [f"shared-memory segments left: {left}"] if left else []
         for pid in pids:  # every child is reaped: no orphans
             assert not os.path.exists(f"/proc/{pid}") or zombie_or_gone(pid)
     if problems:

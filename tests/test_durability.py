@@ -22,6 +22,9 @@ from gradbus.shards.core import ShardCore
 
 from .rigs import RepRig, init_msg, push_msg, shard_with_state, wait_for
 
+# every test twice: tensor bytes through shared memory (the default), then as frames
+BOTH_DATA_PATHS = True
+
 LR = 2.0 ** -6
 
 

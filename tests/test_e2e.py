@@ -11,6 +11,9 @@ from gradbus import admin
 
 from .rigs import wait_for
 
+# every test twice: tensor bytes through shared memory (the default), then as frames
+BOTH_DATA_PATHS = True
+
 LR = 0.25     # powers of two: every intermediate result is exact in float32 and float64
 G = 0.5
 

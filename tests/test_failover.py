@@ -13,6 +13,9 @@ from gradbus.codecs.partition import TensorLayout, partition_of
 
 from .rigs import wait_for
 
+# every test twice: tensor bytes through shared memory (the default), then as frames
+BOTH_DATA_PATHS = True
+
 # A short liveness window keeps failovers quick, but on a loaded 2-core machine a live shard
 # busy applying can fall silent for half a second: 2 s (twice the default) declares only the
 # killed shard dead, and the failover's silent_s then also shows the configured window is used.

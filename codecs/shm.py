@@ -294,9 +294,15 @@ class Ring:
     def _grow(self, need: int) -> _Arena | None:
         if self.failed is not None:
             return None
-        size = max(need + HEADER + ALIGN, MIN_RING_SEGMENT)
-        if self.arenas and self.size + size > self.cap:
+        least = need + HEADER + ALIGN
+        room = self.cap - self.size
+        if self.arenas and least > room:
             return None
+        # each new segment as large as all before it (doubling), so large pushes do not end up
+        # one per segment with the rest of each wasted
+        size = max(least, MIN_RING_SEGMENT, self.size)
+        if self.arenas:
+            size = min(size, room)
         try:
             seg = Segment.create(self.cluster, "w", size)
         except OSError as e:

@@ -4,7 +4,8 @@ rings, and the weights board its publisher writes into.
 The shard says in REGISTER whether it can read the broker's shared memory (it opened the probe
 the WELCOME named); the broker's REGISTERED says whether it will send it references and take
 references to weights from it. Only then does the publisher write blocks into a board (and
-only then does the shard sweep the segments of dead shards of its cluster).
+only then does the shard sweep the segments of dead shards of its cluster, and again when it
+stops: a broker that was SIGKILLed leaves its probe segment, which nobody else would remove).
 """
 from __future__ import annotations
 
@@ -58,3 +59,5 @@ class ShardShm:
         if self.board is not None:
             self.board.close()
             self.board = None
+        if self.cluster is not None:     # a dead broker's probe, dead shards' boards
+            shm.sweep(self.cluster, roles="sb")

@@ -17,7 +17,14 @@ from gradbus.codecs import net, security, shm
 from gradbus.shards import checkpoint
 
 from . import rigs
-from .rigs import cluster_cores, replica_mismatches, state_problems, wait_for, zombie_or_gone
+from .rigs import (
+    cluster_cores,
+    gradbus_segments,
+    replica_mismatches,
+    state_problems,
+    wait_for,
+    zombie_or_gone,
+)
 
 try:   # CI runs the property tests on fixed examples (reproducible); locally they stay random
     from hypothesis import settings as _hyp_settings
@@ -237,3 +244,40 @@ def refusing_broker(tmp_path):
             proc.kill()
             proc.wait()
         proc.stdout.close()
+
+
+# ---- shared memory ------------------------------------------------------------------------
+
+@pytest.fixture
+def shm_dir(tmp_path, monkeypatch):
+    """A shared-memory directory of this test's own; nothing may be left in it."""
+    d = tmp_path / "shm"
+    d.mkdir()
+    monkeypatch.setenv("GRADBUS_SHM_DIR", str(d))
+    monkeypatch.delenv("GRADBUS_SHM", raising=False)
+    yield str(d)
+    assert gradbus_segments(str(d)) == []
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path, monkeypatch, request):
+    """``mount(size)``: a tmpfs of ``size`` as this test's shared-memory directory (skipped
+    where mounting is not permitted), unmounted at teardown."""
+    def mount(size: str) -> str:
+        d = tmp_path / f"tmpfs-{size}"
+        d.mkdir()
+        try:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                                str(d)], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            pytest.skip(f"cannot mount a tmpfs: {e}")
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+
+        def unmount():
+            if subprocess.run(["umount", str(d)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(d)], capture_output=True)
+        request.addfinalizer(unmount)
+        monkeypatch.setenv("GRADBUS_SHM_DIR", str(d))
+        return str(d)
+    return mount

@@ -30,7 +30,7 @@ import zmq
 import gradbus
 from gradbus.broker.actions import Publish, ToClient, ToShard
 from gradbus.broker.core import BrokerCore
-from gradbus.codecs import jit, net, security, specs, wire
+from gradbus.codecs import jit, net, security, shm, specs, wire
 from gradbus.codecs.partition import TensorLayout
 from gradbus.shards import backend, checkpoint
 from gradbus.shards.core import ShardCore
@@ -67,6 +67,11 @@ def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
         if time.monotonic() > deadline:
             raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.02)
+
+
+def gradbus_segments(directory: str) -> list[str]:
+    """The gradbus shared-memory segments in ``directory``."""
+    return sorted(n for n in os.listdir(directory) if shm.owned(n) is not None)
 
 
 def zombie_or_gone(pid: int) -> bool:

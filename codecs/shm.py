@@ -39,6 +39,7 @@ import struct
 import sys
 import threading
 
+import numpy as np
 import xxhash
 
 from .errors import Code, WireError
@@ -121,12 +122,13 @@ class Segment:
     """One mapped segment. ``create`` makes and owns it (``unlink`` removes the name);
     ``open`` maps a peer's read-only."""
 
-    __slots__ = ("name", "path", "size", "mm", "view", "nonce", "owner")
+    __slots__ = ("name", "path", "size", "mm", "view", "words", "nonce", "owner")
 
     def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool):
         self.name, self.path, self.mm, self.owner = name, path, mm, owner
         self.size = len(mm)
         self.view = memoryview(mm)
+        self.words = np.frombuffer(mm, np.uint64) if owner else None   # aligned 8-byte stores
         self.nonce = bytes(self.view[8:24])
 
     @classmethod
@@ -185,6 +187,7 @@ class Segment:
         return self.view[off:off + n]
 
     def close(self) -> None:
+        self.words = None
         try:
             self.view.release()
             self.mm.close()
@@ -436,9 +439,10 @@ class Board:
         data = word + ALIGN
         self.stamp += 1
         view = arena.seg.view
-        _U64.pack_into(view, word, _WRITING)
+        stamp = arena.seg.words[word >> 3:(word >> 3) + 1]   # one aligned 8-byte store each
+        stamp[0] = _WRITING
         view[data:data + n] = src
-        _U64.pack_into(view, word, self.stamp)
+        stamp[0] = self.stamp
         return [arena.seg.name, data, self.stamp]
 
     def forget(self, keys) -> None:
@@ -488,6 +492,8 @@ class Mapper:
         seg = self.segment(ref[0])
         stamp = ref[2]
         off = ref[1]
+        if stamp == 0:       # no version is stamped 0
+            return None
         if off - ALIGN < HEADER:
             raise WireError(Code.BAD_FIELD, f"segment {seg.name}: offset {off} is no board slot")
         src = seg.span(off, n)

@@ -312,9 +312,14 @@ def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:
 
 def parse_tensors(h: dict, frames, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> list[TensorDesc]:
     """Validate the descriptors in ``h['t']`` against ``frames`` (the tensor frames)."""
-    t = h.get("t", [])
+    return parse_descs(h["kind"], h.get("t", []), frames, max_tensor_bytes)
+
+
+def parse_descs(kind: str, t: list, frames,
+                max_tensor_bytes: int = MAX_TENSOR_BYTES) -> list[TensorDesc]:
+    """Validate a message's descriptors ``t`` against ``frames`` (its tensor frames)."""
     if len(frames) != len(t):
-        _bad(Code.BAD_FRAME, f"{h['kind']}: header describes {len(t)} tensors, "
+        _bad(Code.BAD_FRAME, f"{kind}: header describes {len(t)} tensors, "
                              f"{len(frames)} frames came")
     descs = [parse_desc(d, max_tensor_bytes) for d in t]
     for desc, fr in zip(descs, frames):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from . import specs, tensor
 from .errors import Code, WireError
-from .partition import MAX_NAME_LEN, TensorLayout
+from .partition import MAX_NAME_LEN, TensorLayout, split_key, split_row_key
 
 MAX_SHARD_ID = 128       # characters of a shard id (REGISTER)
 _MAX_DIM = 2 ** 40
@@ -197,9 +197,18 @@ def _init_entry(ent: dict, nt: int):
     if type(key) is not str or not key:
         raise WireError(Code.BAD_FIELD, "init entry: key must be a non-empty string")
     if "table" in ent:
+        if split_row_key(key) is None:
+            raise WireError(Code.BAD_FIELD, f"init entry: {key!r} is not a row key")
         specs.table_from_wire(ent["table"])
         return TableInitEntry(key, ent["table"])
     layout = layout_from_wire(ent.get("layout"), "init entry")
+    try:
+        name, index = split_key(key)
+    except ValueError:
+        name = index = None
+    if name != layout.name or index >= layout.nblocks:
+        raise WireError(Code.BAD_FIELD, f"init entry: {key!r} is not a block key of "
+                                        f"{layout.name}")
     rule = specs.validate_init_rule(ent.get("rule"))
     opt = ent.get("opt")
     specs.optimizer_from_wire(opt)
@@ -331,8 +340,9 @@ class StateRows:
 
 
 def _scalars(v) -> dict:
+    """A block's numeric state (a table's ``swept`` may be nil: never swept)."""
     if type(v) is not dict or not all(
-            type(k) is str and type(x) in (int, float) for k, x in v.items()):
+            type(k) is str and (x is None or type(x) in (int, float)) for k, x in v.items()):
         bad("state", "block scalars", "must map names to numbers")
     return v
 

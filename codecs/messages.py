@@ -103,14 +103,14 @@ class Ack:
 @dataclass(slots=True)
 class Batch(_Tensors):
     kind = wire.BATCH
-    parts: tuple         # BatchPart
+    parts: list          # BatchPart
     t: list
 
 
 @dataclass(slots=True)
 class Applied:
     kind = wire.APPLIED
-    parts: tuple         # AppliedPart
+    parts: list          # AppliedPart
     shard: str | None
 
     def updates(self, frames: list) -> list:
@@ -416,6 +416,10 @@ class Table:
 
 
 # ------------------------------------------------------------------ builders
+_ALL = wire.ACKS_ALL
+_EMPTY: list = []      # never written to
+
+
 def _fail(h: dict, e: WireError):
     ids = {k: h[k] for k in ("msg", "req") if type(h.get(k)) is int}
     raise FieldError(e.code, str(e.args[0]), ids) from None
@@ -428,26 +432,36 @@ def _of(h) -> int:
 
 def _push(h, P):
     acks, ver = h["acks"], h.get("ver")
-    if acks != 0 and acks != 1 and acks != wire.ACKS_ALL:
-        raise WireError(Code.BAD_FIELD, f"push: acks must be 0, 1 or {wire.ACKS_ALL} (all), "
-                                        f"not {acks}")
-    return Push(h["msg"], acks, ver if type(ver) is int and ver >= 0 else None, h.get("t", []))
+    if acks != 1 and acks != 0 and acks != _ALL:
+        raise WireError(Code.BAD_FIELD, f"push: acks must be 0, 1 or {_ALL} (all), not {acks}")
+    if ver is not None and (ver.__class__ is not int or ver < 0):
+        ver = None
+    return Push(h["msg"], acks, ver, h.get("t", _EMPTY))
 
 
 def _ack(h, P):
     msgs = h.get("msgs")
-    ok = type(msgs) is list and msgs and all(type(m) is int for m in msgs)
-    return Ack(h["msg"], tuple(dict.fromkeys(msgs)) if ok else None, h)
+    if msgs is not None:
+        if msgs.__class__ is list and msgs:
+            for m in msgs:
+                if m.__class__ is not int:
+                    msgs = None
+                    break
+            else:
+                msgs = tuple(dict.fromkeys(msgs))
+        else:
+            msgs = None
+    return Ack(h["msg"], msgs, h)
 
 
 def _batch(h, P):
     t = h.get("t", [])
     nt = len(t)
-    return Batch(tuple([batch_part(x, nt) for x in h["parts"]]), t)
+    return Batch([batch_part(x, nt) for x in h["parts"]], t)
 
 
 def _applied(h, P):
-    return Applied(tuple([applied_part(x, P) for x in h["parts"]]), _opt(h.get("shard"), str))
+    return Applied([applied_part(x, P) for x in h["parts"]], _opt(h.get("shard"), str))
 
 
 def _update(h, P):

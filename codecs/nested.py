@@ -218,6 +218,24 @@ def _init_entry(ent: dict, nt: int):
     return InitEntry(key, layout, rule, opt, i if i is not None and i >= 0 else None)
 
 
+def _push_entry(ent: dict, nt: int):
+    """A push entry (the hot path: one per gradient; plain checks, no helper calls)."""
+    get = ent.get
+    i, c, m, ts, w = get("i"), get("c"), get("m"), get("ts"), get("w")
+    if i.__class__ is not int or not 0 <= i < nt:
+        return Invalid(Code.BAD_FIELD, f"push entry: i {i!r} indexes none of the "
+                                       f"batch's {nt} tensors")
+    if c is not None and c.__class__ is not bytes:
+        c = None
+    if m is not None and m.__class__ is not int:
+        m = None
+    if ts is not None:      # table rows only
+        ts = float(ts) if ts.__class__ is float or ts.__class__ is int else 0.0
+    if w is not None and (w.__class__ is not float or not 0.0 < w < 1.0):
+        w = None
+    return PushEntry(i, c, m, 0.0 if ts is None else ts, w)
+
+
 def batch_entry(ent, nt: int):
     """One BATCH entry (``nt``: the batch's descriptors): a PushEntry, InitEntry or
     TableInitEntry, or an Invalid (BAD_FIELD for that entry only)."""
@@ -225,14 +243,7 @@ def batch_entry(ent, nt: int):
         return Invalid(Code.BAD_FIELD, "batch entry must be a map")
     op = ent.get("op")
     if op == "push":
-        i = ent.get("i")
-        if type(i) is not int or not 0 <= i < nt:
-            return Invalid(Code.BAD_FIELD, f"push entry: i {i!r} indexes none of the "
-                                           f"batch's {nt} tensors")
-        c, m, ts, w = ent.get("c"), ent.get("m"), ent.get("ts", 0.0), ent.get("w")
-        return PushEntry(i, c if type(c) is bytes else None, m if type(m) is int else None,
-                         float(ts) if type(ts) is float or type(ts) is int else 0.0,
-                         w if type(w) is float and 0.0 < w < 1.0 else None)
+        return _push_entry(ent, nt)
     if op == "init":
         return _deferred(_init_entry, ent, nt)
     return Invalid(Code.BAD_FIELD, f"unknown entry op {op!r}")
@@ -245,7 +256,7 @@ class BatchPart:
     seq: int
     epoch: int
     o: str | None
-    e: tuple
+    e: list              # PushEntry, InitEntry, TableInitEntry or Invalid, in batch order
 
 
 def batch_part(part, nt: int) -> BatchPart:
@@ -261,8 +272,12 @@ def batch_part(part, nt: int) -> BatchPart:
         bad("batch", "part epoch", f"{epoch!r} is not an int >= 0")
     if type(e) is not list:
         bad("batch", "part e", "must be a list of entries")
-    return BatchPart(p, seq, epoch, o if type(o) is str else None,
-                     tuple([batch_entry(x, nt) for x in e]))
+    entries = []
+    add = entries.append
+    for x in e:
+        add(_push_entry(x, nt) if x.__class__ is dict and x.get("op") == "push"
+            else batch_entry(x, nt))
+    return BatchPart(p, seq, epoch, o if type(o) is str else None, entries)
 
 
 # ------------------------------------------------------------------ APPLIED
@@ -273,7 +288,7 @@ class AppliedPart:
     p: int
     seq: int
     epoch: int
-    errors: tuple
+    errors: list          # [entry index, code, message]
     vers: dict
     n: int
     dup: bool
@@ -286,28 +301,34 @@ def _err_triple(x) -> bool:
 
 
 def applied_part(r, partitions: int | None) -> AppliedPart:
-    if type(r) is not dict:
+    """One APPLIED result (per batch part: plain checks, no generators)."""
+    if r.__class__ is not dict:
         bad("applied", "parts", "entries must be maps")
-    p, seq, epoch, n = r.get("p"), r.get("seq"), r.get("epoch"), r.get("n")
-    errors, vers, tr = r.get("errors"), r.get("vers"), r.get("tr")
-    if type(p) is not int or not 0 <= p < (partitions or 65536):
+    get = r.get
+    p, seq, epoch, n = get("p"), get("seq"), get("epoch"), get("n")
+    errors, vers, tr = get("errors"), get("vers"), get("tr")
+    if p.__class__ is not int or not 0 <= p < (partitions or 65536):
         bad("applied", "part p", f"{p!r} is not a partition")
-    if type(seq) is not int or type(epoch) is not int:
+    if seq.__class__ is not int or epoch.__class__ is not int:
         bad("applied", "part seq/epoch", "must be ints")
-    if type(n) is not int or n < -1:
+    if n.__class__ is not int or n < -1:
         bad("applied", "part n", f"{n!r} is not an int >= -1")
-    if type(errors) is not list or (errors and not all(_err_triple(x) for x in errors)):
+    if errors.__class__ is not list:
         bad("applied", "part errors", "must be a list of [index, code, message]")
-    if type(vers) is not dict or (vers and not all(
-            type(k) is str and type(v) is int for k, v in vers.items())):
+    for x in errors:
+        if not _err_triple(x):
+            bad("applied", "part errors", "must be a list of [index, code, message]")
+    if vers.__class__ is not dict:
         bad("applied", "part vers", "must map keys to ints")
+    for k, v in vers.items():
+        if k.__class__ is not str or v.__class__ is not int:
+            bad("applied", "part vers", "must map keys to ints")
     if tr is not None:
-        if type(tr) is not dict or not all(
+        if tr.__class__ is not dict or not all(
                 type(v) is list and len(v) == 2 and type(v[0]) is int and type(v[1]) is int
                 for v in tr.values()):
             bad("applied", "part tr", "must map tables to [rows, bytes]")
-    return AppliedPart(p, seq, epoch, tuple(errors) if errors else (), vers, n,
-                       r.get("dup") is True, tr)
+    return AppliedPart(p, seq, epoch, errors, vers, n, get("dup") is True, tr)
 
 
 # ------------------------------------------------------------------ STATE

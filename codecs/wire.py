@@ -1,4 +1,5 @@
-"""The gradbus wire format. This module is the only one that packs or unpacks a message.
+"""The gradbus wire format. This module is the only one that packs or unpacks a message;
+:mod:`.messages` turns an unpacked header into a typed message, every field checked.
 
 A message is a list of ZeroMQ frames::
 

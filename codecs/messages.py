@@ -421,8 +421,11 @@ _EMPTY: list = []      # never written to
 
 
 def _fail(h: dict, e: WireError):
+    """The FieldError for ``e``: its message names the kind first, and it carries the ids."""
     ids = {k: h[k] for k in ("msg", "req") if type(h.get(k)) is int}
-    raise FieldError(e.code, str(e.args[0]), ids) from None
+    kind, message = h["kind"], str(e.args[0])
+    raise FieldError(e.code, message if message.startswith(kind) else f"{kind}: {message}",
+                     ids) from None
 
 
 def _of(h) -> int:

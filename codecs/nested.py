@@ -51,12 +51,17 @@ class Invalid:
         raise WireError(self.code, self.message)
 
 
-def _deferred(fn, *args):
-    """``fn(*args)``, or the :class:`Invalid` its WireError becomes."""
+def _named(kind: str, message: str) -> str:
+    """``message`` naming the message kind (or nested item) first."""
+    return message if message.startswith(kind) else f"{kind}: {message}"
+
+
+def _deferred(kind: str, fn, *args):
+    """``fn(*args)``, or the :class:`Invalid` its WireError becomes (naming ``kind``)."""
     try:
         return fn(*args)
     except WireError as e:
-        return Invalid(e.code, str(e.args[0]))
+        return Invalid(e.code, _named(kind, str(e.args[0])))
 
 
 # ------------------------------------------------------------------ tensors and tables
@@ -78,18 +83,20 @@ def tensor_spec(t, kind: str = "init", default_rule: dict | None = None) -> Tens
     """An INIT ``tensors`` entry: BAD_FIELD for the map, its name or block, BAD_DTYPE for a
     dtype that is not a parameter dtype, BAD_SHAPE for the shape, BAD_FIELD for the rule."""
     if type(t) is not dict:
-        bad(kind, "tensors", "entries must be maps")
+        raise WireError(Code.BAD_FIELD, f"{kind}: entries must be maps")
     name, dtype, shape, block = t.get("name"), t.get("dtype"), t.get("shape"), t.get("block")
     if type(name) is not str or not name or len(name) > MAX_NAME_LEN or "\x00" in name:
-        raise WireError(Code.BAD_FIELD, f"tensor name must be a non-empty string, got {name!r}")
+        raise WireError(Code.BAD_FIELD, f"{kind}: tensor name must be a non-empty string, "
+                                        f"got {name!r}")
     if dtype not in tensor.PARAM_DTYPES:
-        raise WireError(Code.BAD_DTYPE, f"{name}: parameters must be float32 or float64, "
-                                        f"not {dtype!r}")
+        raise WireError(Code.BAD_DTYPE, f"{kind}: tensor {name} dtype: parameters must be "
+                                        f"float32 or float64, not {dtype!r}")
     if (type(shape) is not list or len(shape) > MAX_NDIM
             or not all(type(s) is int and 0 < s < _MAX_DIM for s in shape)):
-        raise WireError(Code.BAD_SHAPE, f"{name}: shape must be a list of positive ints")
+        raise WireError(Code.BAD_SHAPE, f"{kind}: tensor {name} shape must be a list of "
+                                        "positive ints")
     if type(block) is not int or block < 1:
-        raise WireError(Code.BAD_FIELD, f"{name}: block must be a positive int")
+        raise WireError(Code.BAD_FIELD, f"{kind}: tensor {name} block must be a positive int")
     rule = t.get("init", {"name": "given"}) if default_rule is None else default_rule
     return TensorSpec(name, dtype, tuple(shape), block, specs.validate_init_rule(rule))
 
@@ -99,9 +106,9 @@ def layout_from_wire(d, kind: str, field: str = "layout") -> TensorLayout:
     if type(d) is not dict:
         bad(kind, field, "must be a map")
     try:
-        return tensor_spec(d, kind, {"name": "zeros"}).layout()
-    except WireError as e:
-        bad(kind, field, f"is malformed: {e.args[0]}")
+        return tensor_spec(d, f"{kind}: {field}", {"name": "zeros"}).layout()
+    except WireError as e:      # a malformed entry: BAD_FIELD whatever the field
+        raise WireError(Code.BAD_FIELD, str(e.args[0])) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,18 +120,18 @@ class TableSpec:
 
 def table_spec(t, kind: str = "init") -> TableSpec:
     if type(t) is not dict:
-        raise WireError(Code.BAD_FIELD, "init tables must be maps")
+        raise WireError(Code.BAD_FIELD, f"{kind}: entries must be maps")
     name = t.get("name")
     if type(name) is not str or not name or len(name) > MAX_NAME_LEN or any(
             c in name for c in "\x00#"):
-        raise WireError(Code.BAD_FIELD, f"table name must be a non-empty string without '#', "
-                                        f"got {name!r}")
+        raise WireError(Code.BAD_FIELD, f"{kind}: table name must be a non-empty string "
+                                        f"without '#', got {name!r}")
     return TableSpec(name, specs.table_from_wire(t))
 
 
 def init_tensors(v) -> tuple:
     """INIT ``tensors``: a TensorSpec or an Invalid per entry (refused in request order)."""
-    return tuple(_deferred(tensor_spec, t) for t in v)
+    return tuple(_deferred("init: tensors", tensor_spec, t, "init: tensors") for t in v)
 
 
 def init_tables(v):
@@ -134,7 +141,7 @@ def init_tables(v):
         return None
     if type(v) is not list:
         return Invalid(Code.BAD_FIELD, "init: tables must be a list")
-    return tuple(_deferred(table_spec, t) for t in v)
+    return tuple(_deferred("init: tables", table_spec, t, "init: tables") for t in v)
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,7 +252,7 @@ def batch_entry(ent, nt: int):
     if op == "push":
         return _push_entry(ent, nt)
     if op == "init":
-        return _deferred(_init_entry, ent, nt)
+        return _deferred("init entry", _init_entry, ent, nt)
     return Invalid(Code.BAD_FIELD, f"unknown entry op {op!r}")
 
 

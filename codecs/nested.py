@@ -281,7 +281,13 @@ def batch_part(part, nt: int) -> BatchPart:
         bad("batch", "part e", "must be a list of entries")
     entries = []
     add = entries.append
-    for x in e:
+    for x in e:     # push entries inline (one per gradient), as _push_entry checks them
+        if x.__class__ is dict and len(x) == 4 and x.get("op") == "push":
+            i, c, m = x.get("i"), x.get("c"), x.get("m")
+            if (i.__class__ is int and 0 <= i < nt and c.__class__ is bytes
+                    and m.__class__ is int):
+                add(PushEntry(i, c, m, 0.0, None))    # {op, i, c, m}: what the broker sends
+                continue
         add(_push_entry(x, nt) if x.__class__ is dict and x.get("op") == "push"
             else batch_entry(x, nt))
     return BatchPart(p, seq, epoch, o if type(o) is str else None, entries)

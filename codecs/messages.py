@@ -437,7 +437,7 @@ def _push(h, P):
     acks, ver = h["acks"], h.get("ver")
     if acks != 1 and acks != 0 and acks != _ALL:
         raise WireError(Code.BAD_FIELD, f"push: acks must be 0, 1 or {_ALL} (all), not {acks}")
-    if ver is not None and (ver.__class__ is not int or ver < 0):
+    if ver is not None and ver.__class__ is not int:
         ver = None
     return Push(h["msg"], acks, ver, h.get("t", _EMPTY))
 
@@ -499,8 +499,8 @@ def _rows(h, P):
         if (type(x) is list and len(x) == 2 and type(x[0]) is int and type(x[1]) is bytes
                 and not len(x[1]) % 8 and (0 <= x[0] < P if P else x[0] >= 0)):
             good.append((x[0], x[1]))
-    return Rows(h["req"], h["table"], tuple(good), len(q) - len(good), _opt_int(h.get("min")),
-                _opt_int(h.get("tv")), _opt(h.get("client"), bytes), _opt_int(h.get("of"), 1))
+    return Rows(h["req"], h["table"], tuple(good), len(q) - len(good), _opt(h.get("min"), int),
+                _opt(h.get("tv"), int), _opt(h.get("client"), bytes), _opt_int(h.get("of"), 1))
 
 
 def _ps(h, P):

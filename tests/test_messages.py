@@ -10,6 +10,8 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from gradbus.codecs import messages, wire
 from gradbus.codecs.errors import Code, WireError
@@ -541,3 +543,45 @@ def test_a_push_through_the_rig_still_applies():
     rig.client(b"c", frames)
     rig.client(b"c", push_msg(2, layout, np.ones(8, np.float32)))
     assert [r["kind"] for r in rig.replies(b"c")] == ["init_ok", "ack"]
+
+
+# -- fuzz: whatever the fields hold, typing a header raises WireError or returns a message ----
+scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+           | st.text(max_size=6) | st.binary(max_size=17))
+values = st.recursive(scalars, lambda c: st.lists(c, max_size=3)
+                      | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8)
+
+
+def _mutate(v, draw, depth: int = 0):
+    """``v`` with one value somewhere inside replaced (or a map key dropped); mostly deep
+    inside, where the header schema does not look."""
+    deeper = depth == 0 or draw(st.integers(0, 3)) > 0
+    if isinstance(v, dict) and v and deeper:
+        k = draw(st.sampled_from(sorted(v)))
+        choice = draw(st.integers(0, 5))
+        if choice == 0:
+            return {x: y for x, y in v.items() if x != k}
+        return {**v, k: _mutate(v[k], draw, depth + 1)}
+    if isinstance(v, list) and v and deeper:
+        i = draw(st.integers(0, len(v) - 1))
+        return [*v[:i], _mutate(v[i], draw, depth + 1), *v[i + 1:]]
+    return draw(values)
+
+
+@settings(max_examples=600, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_fuzz_typing_a_header_raises_only_wire_errors(data):
+    kind = data.draw(st.sampled_from(sorted(SAMPLES)))
+    _, fields, _ = SAMPLES[kind]
+    fields = _mutate(fields, data.draw) if fields else {}
+    try:
+        h = wire.unpack_header(wire.pack(kind, **fields), ALL)
+    except WireError:
+        return
+    try:
+        m = messages.from_header(h, partitions=data.draw(st.sampled_from([None, 1, 16])))
+    except WireError as e:
+        assert isinstance(e.code, Code) and str(e.args[0]).startswith(kind), e
+    else:
+        assert m.kind == kind

@@ -34,22 +34,16 @@ class ShardEvents:
         return Publish(self.table.message())
 
     # ------------------------------------------------------------------ registration
-    def register(self, identity: bytes, h: dict, now: float) -> list:
-        sid = h["shard"]
-        held = h.get("holds", [])
-        if (not sid or len(sid) > 128 or not isinstance(held, list)
-                or not all(isinstance(x, list) and len(x) == 3 and all(isinstance(v, int) for v in x)
-                           and 0 <= x[0] < self.P for x in held)):
-            self.meters.errors[Code.BAD_FIELD.value] += 1
-            return [ToShard(identity, [wire.error(Code.BAD_FIELD,
-                                                  "register: bad shard id or holds")])]
+    def register(self, identity: bytes, h, now: float) -> list:
+        """A typed REGISTER (its id and holds were checked when it was unpacked)."""
+        sid = h.shard
         refused = self.admission.register_refusal(self.members.shards.get(sid), identity, now,
                                                   self.settings.shard_deadline)
         if refused is not None:      # the live shard keeps its id and its partitions
             return [ToShard(identity, [wire.error(Code.SHARD_ID_IN_USE, refused)])]
-        holds = {p: (epoch, seq) for p, epoch, seq in held}
+        holds = {p: (epoch, seq) for p, epoch, seq in h.holds}
         rec, tb = self.recovery, self.table
-        if holds or h.get("rejoin") is True:
+        if holds or h.rejoin:
             rec.restarted = True    # shards from an earlier life: this broker may miss tensors
         elif rec.restarted is None:
             rec.restarted = False   # the first shard is new and holds nothing: a fresh cluster
@@ -103,7 +97,7 @@ class ShardEvents:
                         sid, len(drop))
         self.members.by_identity[identity] = sid
         tb.bump()
-        s.shm = bool(h.get("shm")) and self.shm_on
+        s.shm = h.shm and self.shm_on
         actions.append(ToShard(identity, [wire.pack(wire.REGISTERED, shard=sid,
                                                     partitions=self.P, shm=s.shm)]))
         if rec.replay is not None:
@@ -113,10 +107,10 @@ class ShardEvents:
         actions.append(self._table_msg())
         return actions
 
-    def takes_over(self, identity: bytes, h: dict, now: float) -> bool:
-        """A REGISTER of a known shard's id (``h["shard"]``) that would be refused
+    def takes_over(self, identity: bytes, h, now: float) -> bool:
+        """A REGISTER of a known shard's id (``h.shard``) that would be refused
         SHARD_ID_IN_USE (see :meth:`~.admission.Admission.takes_over`)."""
-        return self.admission.takes_over(self.members.shards.get(h["shard"]), identity, now,
+        return self.admission.takes_over(self.members.shards.get(h.shard), identity, now,
                                          self.settings.shard_deadline)
 
     def _adopt(self, s, p: int, state: tuple, nbytes: int) -> bool:
@@ -173,15 +167,13 @@ class ShardEvents:
         return True
 
     # ------------------------------------------------------------------ applied
-    def applied(self, s, h: dict, frames: list, now: float) -> list:
+    def applied(self, s, h, updates: list, now: float) -> list:
+        """A typed APPLIED; ``updates``: each part's embedded UPDATE frames (None: none)."""
         actions = []
         s.inflight = max(0, s.inflight - 1)
         tb, sq, handover = self.table, self.sequencer, self.rebalance.handover
-        pos = 0
-        for part in h["parts"]:
-            p, seq, n = part["p"], part["seq"], part["n"]
-            pub = frames[pos:pos + 1 + n] if n >= 0 else None
-            pos += 1 + n if n >= 0 else 0
+        for part, pub in zip(h.parts, updates):
+            p, seq = part.p, part.seq
             primary = s.id == tb.owners[p]
             ho = handover.get(p)
             if ho is not None and ho[0] == s.id and not primary and s.id not in tb.standbys[p]:
@@ -208,7 +200,7 @@ class ShardEvents:
                 # named in heartbeats, so subscribers see they missed it and re-snapshot.
                 if seq > sq.published_seq.get(p, 0):
                     sq.published_seq[p] = seq
-                tr, vers = part.get("tr"), part.get("vers")
+                tr, vers = part.tr, part.vers
                 if tr is not None:
                     grown = self.catalog.learn_rows(p, tr)
                     if grown:
@@ -219,35 +211,35 @@ class ShardEvents:
             if b is None:
                 continue
             if b.errors is None:
-                b.errors = {e[0]: (e[1], e[2]) for e in part.get("errors", [])}
+                b.errors = {e[0]: (e[1], e[2]) for e in part.errors}
             b.waiting.discard(s.id)
             actions += self.settlement.progress(p, seq, b)
         return actions
 
     # ------------------------------------------------------------------ catch-ups
-    def forward_state(self, s, h: dict, frames: list) -> list:
+    def forward_state(self, s, h, frames: list) -> list:
         """A primary's export of partition p for a standby catching up: pass it on."""
-        p, to = h["p"], h["to"]
+        p, to = h.p, h.to
         target = self.members.shards.get(to)
-        if (not 0 <= p < self.P or s.id != self.table.owners[p] or target is None
+        if (s.id != self.table.owners[p] or target is None
                 or not target.alive or to not in self.table.syncing.get(p, ())):
             self.meters.counters["states_discarded"] += 1
             return []
         self.meters.counters["state_bytes"] += sum(wire.frame_len(f) for f in frames[1:])
         return [ToShard(target.identity, frames)]
 
-    def synced(self, s, h: dict, now: float) -> list:
-        p = h["p"]
+    def synced(self, s, h, now: float) -> list:
+        p = h.p
         since = self.table.synced(p, s.id)
         if since is None:
             return []
         self.meters.counters["standbys_synced"] += 1
-        log.info("shard %s in sync for partition %d at seq %d (%.3fs)", s.id, p, h["seq"],
+        log.info("shard %s in sync for partition %d at seq %d (%.3fs)", s.id, p, h.seq,
                  now - since)
         actions = []
         mv = self.rebalance.moves.get(p)
         if mv is not None and mv["to"] == s.id:
-            actions += self.rebalance.finish_move(p, mv, int(h["seq"]), now)
+            actions += self.rebalance.finish_move(p, mv, h.seq, now)
         return [*actions, self._table_msg()]
 
     # ------------------------------------------------------------------ death

@@ -12,8 +12,8 @@ import numpy as np
 from gradbus.codecs import specs, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError
+from gradbus.codecs.messages import Invalid, TensorSpec
 from gradbus.codecs.partition import (
-    MAX_NAME_LEN,
     TensorLayout,
     partition_of,
     row_partitions,
@@ -126,9 +126,6 @@ class Catalog:
     def row_ids(self, tbl: Table, parts: list) -> None:
         """Check that every row id sent for ``tbl`` in a partition lives there (a client that
         placed rows by another rule would split a row in two). ``parts``: [(p, ids)]."""
-        for p, _ in parts:
-            if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < self.P:
-                raise WireError(Code.BAD_FIELD, f"{tbl.name}: partition {p!r} out of range")
         ids = np.concatenate([i for _, i in parts]) if len(parts) > 1 else parts[0][1]
         want = np.repeat([p for p, _ in parts], [len(i) for _, i in parts])
         bad = np.flatnonzero(row_partitions(tbl.name, ids, self.P, tbl.cfg.get("spread", 0))
@@ -187,37 +184,30 @@ class Catalog:
             self.row_ids(self.tables[name], parts)
         return routed, tensors, decoded
 
-    def reply(self, h: dict) -> list:
-        """The frames of a CATALOG_REPLY."""
-        names = h.get("names")
-        if names is not None and not isinstance(names, list):
-            raise WireError(Code.BAD_FIELD, "names must be a list")
+    def reply(self, h) -> list:
+        """The frames of a CATALOG_REPLY to a typed CATALOG (``names``: strings, or None)."""
+        names = h.names
         sel = self.tensors if names is None else {n: self.tensors[n] for n in names
-                                                  if isinstance(n, str) and n in self.tensors}
+                                                  if n in self.tensors}
         tensors = [{**t.layout.to_wire(), "version": t.version, "cons": t.cons}
                    for t in sel.values()]
         tables = [{"name": t.name, **t.cfg, "version": t.version} for n, t in self.tables.items()
                   if names is None or n in names]
-        return [wire.pack(wire.CATALOG_REPLY, req=h["req"], tensors=tensors, tables=tables)]
+        return [wire.pack(wire.CATALOG_REPLY, req=h.req, tensors=tensors, tables=tables)]
 
     # ------------------------------------------------------------------ init
-    def plan_init(self, h: dict, frames: list, table) -> InitPlan:
-        """Every check of an INIT against the catalog and the partition table; nothing
-        changes until the plan is carried out."""
-        opt = h["opt"]
-        if specs.optimizer_from_wire(opt).name == "ftrl" and h["tensors"]:
-            raise WireError(Code.BAD_FIELD, "ftrl optimizes embedding table rows only "
-                                            "(init_table)")
-        try:
-            cons = specs.consistency_from_wire(h.get("cons"))
-        except ValueError as e:
-            raise WireError(Code.BAD_FIELD, f"init: {e}") from None
-        descs = wire.parse_tensors(h, frames, self.settings.max_tensor_bytes)
-        given = {d.key: (d, raw, fr) for d, raw, fr in zip(descs, h.get("t", []), frames)}
+    def plan_init(self, h, frames: list, table) -> InitPlan:
+        """Every check of a typed INIT against the catalog and the partition table (its
+        optimizer and consistency model were checked when it was unpacked, its tensor and
+        table maps too: a bad one, an Invalid, is refused in its turn); nothing changes until
+        the plan is carried out."""
+        opt, cons = h.opt, h.cons
+        descs = h.descs(frames, self.settings.max_tensor_bytes)
+        given = {d.key: (d, raw, fr) for d, raw, fr in zip(descs, h.t, frames)}
         created, existing, plan = [], [], []
         named = set()       # created, as a set: a 10,000-tensor INIT is not quadratic
         pulse = self.pulse
-        for n, t in enumerate(h["tensors"]):
+        for n, t in enumerate(h.tensors):
             if pulse is not None and not n % PULSE_EVERY:
                 pulse()
             layout, rule = self.check_tensor(t)
@@ -251,7 +241,7 @@ class Catalog:
                 plan.append((layout, rule, key, p, g))
             created.append(layout.name)
             named.add(layout.name)
-        new_tables = self._plan_tables(h.get("tables"), created, existing, table.available)
+        new_tables = self._plan_tables(h.tables, created, existing, table.available)
         return InitPlan(opt, cons, created, existing, plan, new_tables)
 
     def _plan_tables(self, tables, created: list, existing: list, available) -> list:
@@ -259,18 +249,13 @@ class Catalog:
         dim and dtype) go to ``existing``."""
         if tables is None:
             return []
-        if not isinstance(tables, list):
-            raise WireError(Code.BAD_FIELD, "init: tables must be a list")
+        if type(tables) is Invalid:     # not a list
+            tables.raise_()
         new = []
         for t in tables:
-            if not isinstance(t, dict):
-                raise WireError(Code.BAD_FIELD, "init tables must be maps")
-            name = t.get("name")
-            if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or any(
-                    c in name for c in "\x00#"):
-                raise WireError(Code.BAD_FIELD, f"table name must be a non-empty string "
-                                                f"without '#', got {name!r}")
-            cfg = specs.table_from_wire(t)
+            if type(t) is Invalid:
+                t.raise_()
+            name, cfg = t.name, t.cfg
             cur = self.tables.get(name)
             if name in self.tensors or name in created:
                 raise WireError(Code.SHAPE_MISMATCH, f"{name} exists as a dense tensor or is "
@@ -292,21 +277,13 @@ class Catalog:
             created.append(name)
         return new
 
-    def check_tensor(self, t) -> tuple[TensorLayout, dict]:
-        if not isinstance(t, dict):
-            raise WireError(Code.BAD_FIELD, "init tensors must be maps")
-        name, dtype, shape, block = t.get("name"), t.get("dtype"), t.get("shape"), t.get("block")
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN or "\x00" in name:
-            raise WireError(Code.BAD_FIELD, f"tensor name must be a non-empty string, got {name!r}")
-        if dtype not in tcodec.PARAM_DTYPES:
-            raise WireError(Code.BAD_DTYPE, f"{name}: parameters must be float32 or float64, "
-                                            f"not {dtype!r}")
-        if (not isinstance(shape, list) or len(shape) > wire.MAX_NDIM or not all(
-                isinstance(s, int) and not isinstance(s, bool) and 0 < s < 2**40 for s in shape)):
-            raise WireError(Code.BAD_SHAPE, f"{name}: shape must be a list of positive ints")
-        if not isinstance(block, int) or isinstance(block, bool) or block < 1:
-            raise WireError(Code.BAD_FIELD, f"{name}: block must be a positive int")
-        layout = TensorLayout(name, dtype, tuple(shape), block)
+    def check_tensor(self, t: TensorSpec | Invalid) -> tuple[TensorLayout, dict]:
+        """The limits of this broker on a tensor whose map was checked when it was unpacked
+        (an Invalid raises its error here, in the tensor's turn)."""
+        if type(t) is Invalid:
+            t.raise_()
+        name, dtype, block = t.name, t.dtype, t.block
+        layout = t.layout()
         itemsize = 8 if dtype == "float64" else 4
         if min(block, layout.size) * itemsize > self.settings.max_tensor_bytes:
             raise WireError(Code.TOO_LARGE, f"{name}: block of {block} elements above the cap")
@@ -314,8 +291,7 @@ class Catalog:
             raise WireError(Code.TOO_LARGE, f"{name}: {layout.size} elements in {layout.nblocks} "
                                             f"blocks is above the limits ({MAX_PARAM_BYTES} B, "
                                             f"{MAX_BLOCKS_PER_TENSOR} blocks)")
-        rule = specs.validate_init_rule(t.get("init", {"name": "given"}))
-        return layout, rule
+        return layout, t.rule
 
     def add_tensors(self, layouts, opt: dict, cons: dict) -> None:
         for layout in layouts:
@@ -368,41 +344,42 @@ class Catalog:
             delta += rb[1] - old
         return delta
 
-    def learn_registration(self, h: dict) -> dict[int, int]:
-        """Tensors and block versions a registering shard holds that this broker does not know
-        (it restarted, or the cluster was restored from checkpoints); returns the parameter
-        bytes it holds per partition."""
-        tensors, blocks = h.get("tensors"), h.get("blocks")
+    def learn_registration(self, h) -> dict[int, int]:
+        """Tensors and block versions a registering shard (a typed REGISTER: the entries it
+        could not use were left out and counted in ``skipped``) holds that this broker does
+        not know (it restarted, or the cluster was restored from checkpoints); returns the
+        parameter bytes it holds per partition."""
         held: dict[int, int] = defaultdict(int)
-        if not isinstance(tensors, list) or not isinstance(blocks, list):
-            return held
-        for t in tensors:
+        if h.skipped:
+            self.meters.errors[Code.BAD_FIELD.value] += h.skipped
+            log.warning("register: %d tensors or blocks of %s skipped (malformed)", h.skipped,
+                        h.shard)
+        for t in h.tensors:
+            if t.name in self.tensors or t.name in self.tables:
+                continue
+            if t.cfg is not None:
+                self.tables[t.name] = Table(t.name, t.cfg)
+                continue
             try:
-                if t["name"] in self.tensors or t["name"] in self.tables:
-                    continue
-                if "table" in t:
-                    self.tables[t["name"]] = Table(t["name"], specs.table_from_wire(t["table"]))
-                    continue
-                layout, _ = self.check_tensor({**t, "init": {"name": "zeros"}})
-                specs.optimizer_from_wire(t["opt"])
-                self.tensors[layout.name] = Tensor(layout, t["opt"])
-            except (WireError, TypeError, KeyError, ValueError) as e:
+                layout, _ = self.check_tensor(t.spec)
+            except WireError as e:        # above this broker's limits
                 self.meters.errors[Code.BAD_FIELD.value] += 1
-                log.warning("register: bad tensor %r: %s", t, e)
-        for b in blocks:
-            if isinstance(b, list) and len(b) == 2 and isinstance(b[1], int):
-                name_p = split_row_key(b[0]) if isinstance(b[0], str) else None
-                if name_p is not None:
-                    tbl = self.tables.get(name_p[0])
-                    if tbl is not None:      # pushes applied: at least the most any part saw
-                        tbl.base = max(tbl.base, b[1] - tbl.applied)
-                    continue
-                try:
-                    t, idx = self.block(b[0])
-                except (WireError, TypeError):
-                    continue
-                t.versions.setdefault(idx, b[1])
-                held[partition_of(b[0], self.P)] += t.layout.block_bytes(idx)
+                log.warning("register: tensor %s: %s", t.name, e)
+                continue
+            self.tensors[layout.name] = Tensor(layout, t.opt)
+        for key, version in h.blocks:
+            name_p = split_row_key(key)
+            if name_p is not None:
+                tbl = self.tables.get(name_p[0])
+                if tbl is not None:      # pushes applied: at least the most any part saw
+                    tbl.base = max(tbl.base, version - tbl.applied)
+                continue
+            try:
+                t, idx = self.block(key)
+            except WireError:            # not a block of a known tensor
+                continue
+            t.versions.setdefault(idx, version)
+            held[partition_of(key, self.P)] += t.layout.block_bytes(idx)
         return held
 
     def validate_state(self) -> list[str]:

@@ -12,7 +12,7 @@ class Consistency:
         self.meters = meters
         self.members = members
         self.barriers: dict[str, dict] = {}    # bsp tensor -> the step's held pushes
-        self.parked_reads: list = []           # (client, ROWS header) waiting for a bsp step
+        self.parked_reads: list = []           # (client, typed ROWS) waiting for a bsp step
 
     def check(self, tensors: dict, ver: int | None, client):
         """Staleness of a push against each tensor's consistency model: refuses it (STALE),
@@ -48,7 +48,7 @@ class Consistency:
         return weights, barrier
 
     @staticmethod
-    def hold(barrier: dict, client, h: dict, routed: list, weights: dict) -> None:
+    def hold(barrier: dict, client, h, routed: list, weights: dict) -> None:
         barrier["held"].append((client, h, routed, weights))
         barrier["clients"].add(client.identity)
 
@@ -72,7 +72,7 @@ class Consistency:
         return (isinstance(need, int) and tbl.cons["mode"] == "bsp"
                 and (tbl.stepping or tbl.version < need))
 
-    def park(self, ident: bytes, h: dict) -> None:
+    def park(self, ident: bytes, h) -> None:
         if len(self.parked_reads) >= self.settings.max_parked_reads:
             raise WireError(Code.BAD_REQUEST, "too many reads waiting for bsp steps")
         self.parked_reads.append((ident, h))
@@ -84,17 +84,17 @@ class Consistency:
             return []
         actions, keep = [], []
         for ident, h in self.parked_reads:
-            tbl = tables.get(h["table"])
+            tbl = tables.get(h.table)
             client = self.members.clients.get(ident)
             if client is None or tbl is None:
                 continue
-            if tbl.stepping or tbl.version < h["min"]:
+            if tbl.stepping or tbl.version < h.min:
                 keep.append((ident, h))
                 continue
             try:
                 actions += read(client, h)
             except WireError as e:
-                actions.append(self.meters.err(ident, e.code, str(e.args[0]), req=h["req"]))
+                actions.append(self.meters.err(ident, e.code, str(e.args[0]), req=h.req))
         self.parked_reads = keep
         return actions
 

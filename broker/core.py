@@ -33,7 +33,7 @@ import logging
 import time
 from dataclasses import replace
 
-from gradbus.codecs import wire
+from gradbus.codecs import messages, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS, row_key, split_key, table_partitions
 
@@ -71,6 +71,14 @@ from .settlement import Pending, Settlement
 log = logging.getLogger("gradbus.broker")
 
 ALL = wire.ACKS_ALL
+# frontend kinds that do not register their sender as a worker (protocol section 6.11)
+_NOT_WORKERS = frozenset({wire.HELLO, wire.STATUS, wire.DIGEST, wire.CHECKPOINT, wire.ADMIN,
+                          wire.BYE})
+
+
+def _ids(m) -> dict:
+    """The correlation ids (``msg``, ``req``) an ERROR answering ``m`` copies."""
+    return {k: v for k in ("msg", "req") if type(v := getattr(m, k, None)) is int}
 
 
 class BrokerCore:
@@ -171,17 +179,15 @@ class BrokerCore:
         self.meters.counters["shm_freed"] += sum(map(len, by_client.values()))
         return actions + [ToClient(c, [wire.pack(wire.FREE, msgs=m)]) for c, m in by_client.items()]
 
-    def _unheld(self, identity: bytes, h: dict) -> None:
-        """A push with shared-memory refs that holds nothing here (refused, or a resend of one
-        already done): its slots are free."""
-        msg = h.get("msg")
+    def _unheld(self, identity: bytes, msg, t) -> None:
+        """A push (``msg``, descriptors ``t`` as sent) with shared-memory refs that holds
+        nothing here (refused, or a resend of one already done): its slots are free."""
         ref = (identity, msg)
         if type(msg) is not int or ref in self.sequencer.shm_live:
             return
         client = self.members.clients.get(identity)
         if client is not None and client.seen.get(msg) == "pending":
             return                  # accepted: queued, or held by a bsp barrier
-        t = h.get("t")
         if isinstance(t, list) and any(isinstance(d, dict) and "r" in d for d in t):
             self.sequencer.freed.append(ref)
 
@@ -213,6 +219,13 @@ class BrokerCore:
         if refused is not None:
             return [refused]
         kind = h["kind"]
+        try:     # every field, nested ones included, checked once (codecs/messages.py)
+            m = messages.from_header(h, self.P)
+        except messages.FieldError as e:
+            if kind not in _NOT_WORKERS:   # it passed steps 1-6: the sender is a worker
+                self.members.client(identity, now)
+            return self._refused(identity, h, [self.meters.err(identity, e.code,
+                                                               str(e.args[0]), **e.ids)])
         if kind == wire.HELLO:   # discovery only: registers nobody
             shm = {"shm": self.shm} if self.shm is not None else {}
             return [ToClient(identity, [wire.pack(wire.WELCOME, events=self.ports["events"],
@@ -222,64 +235,54 @@ class BrokerCore:
                                                   **shm)])]
         if kind == wire.STATUS:   # ops tools are not workers
             st = self.status(now)
-            if h.get("table"):
+            if m.table:
                 st["table"] = self.partition_table()
-            return [ToClient(identity, [wire.pack(wire.STATUS_REPLY, req=h["req"], status=st)])]
+            return [ToClient(identity, [wire.pack(wire.STATUS_REPLY, req=m.req, status=st)])]
         if kind == wire.BYE:
             self.members.clients.pop(identity, None)
             return []
         if kind in (wire.DIGEST, wire.CHECKPOINT):
-            return self.reads.fanout(identity, h)
+            return self.reads.fanout(identity, m)
         if kind == wire.ADMIN:
-            return self._coalesce(self._admin(identity, h, now))
+            return self._coalesce(self._admin(identity, m, now))
         client = self.members.client(identity, now)
         try:
             if kind == wire.PUSH:
-                actions = self._push(client, h, frames[1:])
-                if frames[1:] and not wire.frame_len(frames[1]) and h.get("t"):
+                actions = self._push(client, m, frames[1:])
+                if frames[1:] and not wire.frame_len(frames[1]) and m.t:
                     client.shm = True                  # its tensors are in its ring
-                    self._unheld(identity, h)
+                    self._unheld(identity, m.msg, m.t)
                 return self._coalesce(actions)
             if kind == wire.INIT:
-                return self._init(client, h, frames[1:])
+                return self._init(client, m, frames[1:])
             if kind == wire.SNAPSHOT:
-                return self.reads.snapshot(client, h)
+                return self.reads.snapshot(client, m)
             if kind == wire.ROWS:
-                return self.reads.rows(client, h)
+                return self.reads.rows(client, m)
             if kind == wire.CATALOG:
-                return [ToClient(identity, self.catalog.reply(h))]
-            if "shm" in h:     # HEARTBEAT: registered above, last_seen updated
-                client.shm = h["shm"] is True
+                return [ToClient(identity, self.catalog.reply(m))]
+            if getattr(m, "shm", None) is not None:    # HEARTBEAT: registered, last_seen set
+                client.shm = m.shm
             return []
         except WireError as e:
-            ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
             return self._refused(identity, h, [self.meters.err(identity, e.code, str(e.args[0]),
-                                                               **ids)])
-        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-            # a field of an unexpected shape that the schema does not pin down
-            ids = {k: h[k] for k in ("msg", "req") if isinstance(h.get(k), int)}
-            return self._refused(identity, h, [self.meters.err(
-                identity, Code.BAD_FIELD, f"{kind}: malformed ({e!r})", **ids)])
+                                                               **_ids(m))])
 
     def _refused(self, identity: bytes, h: dict, actions: list) -> list:
+        """A refused message's answer; a refused PUSH's shared-memory slots are free."""
         if h["kind"] == wire.PUSH:
-            self._unheld(identity, h)
+            self._unheld(identity, h.get("msg"), h.get("t"))
         return self._coalesce(actions)
 
-    def _push(self, client, h: dict, frames: list) -> list:
-        msg = h["msg"]
+    def _push(self, client, h: messages.Push, frames: list) -> list:
+        msg = h.msg
         settle = self.settlement
         replay = settle.replay(client, msg)
         if replay is not None:
             return replay
-        descs = wire.parse_tensors(h, frames, self.settings.max_tensor_bytes)
+        descs = h.descs(frames, self.settings.max_tensor_bytes)
         routed, tensors, decoded = self.catalog.route_push(descs, frames, self.table.live_owner)
-        acks = h["acks"]
-        if acks not in (0, 1, ALL):
-            raise WireError(Code.BAD_FIELD, f"acks must be 0, 1 or {ALL} (all), not {acks}")
-        ver = h.get("ver")
-        ver = ver if isinstance(ver, int) and not isinstance(ver, bool) else None
-        weights, bsp = self.consistency.check(tensors, ver, client)
+        weights, bsp = self.consistency.check(tensors, h.ver, client)
         counters = self.meters.counters
         counters["push_wire_bytes"] += sum(d.nbytes for d in descs)
         counters["push_decoded_bytes"] += decoded
@@ -294,21 +297,21 @@ class BrokerCore:
         self._enqueue_push(client, h, routed, weights)
         return []
 
-    def _enqueue_push(self, client, h: dict, routed: list, weights: dict,
+    def _enqueue_push(self, client, h: messages.Push, routed: list, weights: dict,
                       step: bool = False) -> None:
-        msg = h["msg"]
+        msg = h.msg
         ref = (client.identity, msg)
         tables = tuple({n for (_, d, _, n) in routed if d.ids is not None})
         self.settlement.pending[ref] = Pending(client.identity, msg, "push", len(routed),
-                                               acks=ALL if h["acks"] == ALL else 1, t0=self.now,
+                                               acks=ALL if h.acks == ALL else 1, t0=self.now,
                                                tables=tables, step=step)
         if step:
             for name in tables:
                 self.catalog.tables[name].stepping += 1
         self.sequencer.enqueue_push(ref, h, routed, weights, self._wall)
 
-    def _init(self, client, h: dict, frames: list) -> list:
-        msg = h["msg"]
+    def _init(self, client, h: messages.Init, frames: list) -> list:
+        msg = h.msg
         replay = self.settlement.replay(client, msg)
         if replay is not None:
             return replay
@@ -343,16 +346,16 @@ class BrokerCore:
                                               "existing": plan.existing}), client)
         return [Publish(self.table.message())]
 
-    def _admin(self, identity: bytes, h: dict, now: float) -> list:
+    def _admin(self, identity: bytes, h: messages.Admin, now: float) -> list:
         """Ops commands: ``rebalance``, ``drain`` (with ``shard``)."""
-        op, req = h["op"], h["req"]
+        op, req = h.op, h.req
         if op == "rebalance":
             self.rebalance.wanted = True
             actions = self.rebalance.plan(now)
             result = {"moves_started": sum(1 for a in actions if isinstance(a, Adopt))}
-        elif op == "drain":
-            sid = h.get("shard")
-            s = self.members.shards.get(sid) if isinstance(sid, str) else None
+        else:    # "drain": the op was checked when the message was unpacked
+            sid = h.shard
+            s = self.members.shards.get(sid) if sid is not None else None
             if s is None or not s.alive:
                 return [self.meters.err(identity, Code.BAD_REQUEST,
                                         f"drain: no live shard {sid!r}", req=req)]
@@ -362,9 +365,6 @@ class BrokerCore:
             self.rebalance.draining.add(sid)
             actions = self.rebalance.plan(now)
             result = {"shard": sid, "partitions": len(s.partitions)}
-        else:
-            return [self.meters.err(identity, Code.BAD_FIELD, f"admin: unknown op {op!r}",
-                                    req=req)]
         actions.append(ToClient(identity, [wire.pack(wire.ADMIN_REPLY, req=req, result=result)]))
         actions.append(Publish(self.table.message()))
         return actions
@@ -411,12 +411,17 @@ class BrokerCore:
             return [refused]
         kind = h["kind"]
         if kind == wire.REGISTER:
-            if (log_index is None and self.recovery.needs_log(h)
-                    and not ev.takes_over(identity, h, now)):   # refused without the log
+            try:
+                m = messages.from_header(h, self.P)
+            except messages.FieldError as e:
+                self.meters.errors[e.code.value] += 1
+                return [ToShard(identity, [wire.error(e.code, str(e.args[0]))])]
+            if (log_index is None and self.recovery.needs_log(m)
+                    and not ev.takes_over(identity, m, now)):   # refused without the log
                 return [ReadLog(identity, frames)]
             self.recovery.log_index = log_index
             try:
-                return self._coalesce(ev.register(identity, h, now))
+                return self._coalesce(ev.register(identity, m, now))
             finally:
                 self.recovery.log_index = None
         s = self.members.shard_of(identity)
@@ -425,28 +430,33 @@ class BrokerCore:
             self.meters.errors[Code.NOT_REGISTERED.value] += 1
             return [ToShard(identity, [wire.error(Code.NOT_REGISTERED, "send register first")])]
         s.last_seen = now
+        try:     # every field, nested ones included, checked once (codecs/messages.py)
+            m = messages.from_header(h, self.P)
+            updates = m.updates(frames[1:]) if kind == wire.APPLIED else None
+        except WireError as e:
+            # A shard bug, not a client's: count it loudly (an APPLIED's credit returns).
+            self.meters.errors[e.code.value] += 1
+            if kind == wire.APPLIED:
+                s.inflight = max(0, s.inflight - 1)
+                self.meters.errors["bad_applied"] += 1
+            log.error("malformed %s from %s: %s", kind, s.id, e)
+            return [ToShard(identity, [wire.error(e.code, str(e.args[0]))])]
         if kind == wire.HEARTBEAT:
-            if isinstance(h.get("info"), dict):
-                s.info = h["info"]
+            if m.info is not None:
+                s.info = m.info
             return []
         if kind == wire.APPLIED:
-            try:
-                return self._coalesce(ev.applied(s, h, frames[1:], now))
-            except (TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
-                # A shard bug, not a client's: count it loudly; the credit was returned.
-                self.meters.errors["bad_applied"] += 1
-                log.error("malformed APPLIED from %s: %r", s.id, e)
-                return []
+            return self._coalesce(ev.applied(s, m, updates, now))
         if kind in (wire.SNAPSHOT_REPLY, wire.ROWS_REPLY, wire.DIGEST_REPLY,
                     wire.CHECKPOINT_REPLY):
-            return self.reads.replied(s, h, frames)
+            return self.reads.replied(s, m, frames)
         if kind == wire.STATE:
-            return ev.forward_state(s, h, frames)
+            return ev.forward_state(s, m, frames)
         if kind == wire.SYNCED:
-            return self._coalesce(ev.synced(s, h, now))
+            return self._coalesce(ev.synced(s, m, now))
         if kind == wire.ERROR:
-            self.meters.errors["shard_" + str(h["code"])] += 1
-            log.warning("shard %s reports %s: %s", s.id, h["code"], h["message"])
+            self.meters.errors["shard_" + m.code] += 1
+            log.warning("shard %s reports %s: %s", s.id, m.code, m.message)
             return []
         if kind == wire.BYE:
             return self._coalesce(ev.shard_dead(s, now, "said bye"))

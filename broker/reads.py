@@ -24,14 +24,11 @@ class Reads:
         self.sequencer = sequencer
         self.consistency = consistency
 
-    def fanout(self, identity: bytes, h: dict) -> list:
-        """DIGEST or CHECKPOINT: ask every live shard holding the named partitions (all, by
-        default); the replies go straight to the asker (``of`` says how many)."""
-        kind, req, ps = h["kind"], h["req"], h.get("ps")
-        if ps is not None and (not isinstance(ps, list) or not all(
-                isinstance(p, int) and 0 <= p < self.P for p in ps)):
-            return [self.meters.err(identity, Code.BAD_FIELD, f"{kind}: ps must be a list of "
-                                                              "partition numbers", req=req)]
+    def fanout(self, identity: bytes, h) -> list:
+        """DIGEST or CHECKPOINT (typed: ``ps`` checked against P when it was unpacked): ask
+        every live shard holding the named partitions (all, by default); the replies go
+        straight to the asker (``of`` says how many)."""
+        kind, req, ps = h.kind, h.req, h.ps
         targets = [x for x in self.members.shards.values() if x.alive and (
             ps is None or any(self.table.holds(x.id, p) for p in ps))]
         if not targets:
@@ -39,17 +36,16 @@ class Reads:
                 if kind == wire.DIGEST else wire.pack(wire.CHECKPOINT_REPLY, req=req, shard="",
                                                       of=1)
             return [ToClient(identity, [empty])]
-        extra = {"ps": ps} if ps is not None else {}
+        extra = {"ps": list(ps)} if ps is not None else {}
         msg = wire.pack(kind, req=req, client=identity, of=len(targets), **extra)
         return [ToShard(x.identity, [msg]) for x in targets]
 
-    def snapshot(self, client, h: dict) -> list:
-        req = h["req"]
+    def snapshot(self, client, h) -> list:
+        """A typed SNAPSHOT (its keys are strings)."""
+        req = h.req
         by_shard: dict[str, list] = defaultdict(list)
         max_bytes = self.settings.max_batch_bytes
-        for key in h["keys"]:
-            if not isinstance(key, str):
-                raise WireError(Code.BAD_FIELD, "snapshot keys must be strings")
+        for key in h.keys:
             t, idx = self.catalog.block(key)
             sid = self.table.live_owner(key, partition_of(key, self.P))
             # one reply carries at most max_batch_bytes: a shard's heartbeats wait behind it
@@ -69,21 +65,21 @@ class Reads:
                     (client.identity, req, keys, of, None))
         return []
 
-    def rows(self, client, h: dict) -> list:
-        """A read of table rows: ``q`` = [[p, ids], ...]; forwarded to each partition's
-        primary. A read of a bsp table with ``min`` is parked until its step is applied."""
-        req, tbl = h["req"], self.catalog.table(h["table"])
-        if self.consistency.must_wait(tbl, h.get("min")):
+    def rows(self, client, h) -> list:
+        """A read of table rows (a typed ROWS): ``q`` = [(p, ids), ...]; forwarded to each
+        partition's primary. A read of a bsp table with ``min`` is parked until its step is
+        applied."""
+        req, tbl = h.req, self.catalog.table(h.table)
+        if self.consistency.must_wait(tbl, h.min):
             self.consistency.park(client.identity, h)
             return []
         by_shard: dict[str, list] = defaultdict(list)
-        for q in h["q"]:
-            if (not isinstance(q, list) or len(q) != 2 or not isinstance(q[1], bytes)
-                    or len(q[1]) % 8):
-                raise WireError(Code.BAD_FIELD, "rows: q must be [[partition, int64 ids], ...]")
-        if h["q"]:
-            self.catalog.row_ids(tbl, [(p, wire.row_ids(ids)) for p, ids in h["q"]])
-        for q in h["q"]:
+        if h.malformed:
+            raise WireError(Code.BAD_FIELD, "rows: q must be [[partition, int64 ids], ...] "
+                                            f"with partitions below {self.P}")
+        if h.q:
+            self.catalog.row_ids(tbl, [(p, wire.row_ids(ids)) for p, ids in h.q])
+        for q in h.q:
             key = row_key(tbl.name, q[0])
             by_shard[self.table.live_owner(key, q[0])].append(q)
         if not by_shard:
@@ -130,14 +126,14 @@ class Reads:
                 actions.append(ToShard(s.identity, [msg]))
             s.queued_snapshots = keep
 
-    def replied(self, s, h: dict, frames: list) -> list:
-        """A shard's SNAPSHOT/ROWS/DIGEST/CHECKPOINT reply, passed to the asker."""
-        client = h.get("client")
-        if not isinstance(client, bytes):
+    def replied(self, s, h, frames: list) -> list:
+        """A shard's SNAPSHOT/ROWS/DIGEST/CHECKPOINT reply (typed), passed to the asker."""
+        client = h.client
+        if client is None:
             return []
-        if h["kind"] in (wire.SNAPSHOT_REPLY, wire.ROWS_REPLY):
+        if h.kind in (wire.SNAPSHOT_REPLY, wire.ROWS_REPLY):
             try:
-                s.snapshots.remove((client, h["req"]))
+                s.snapshots.remove((client, h.req))
             except ValueError:
                 pass
         return [ToClient(client, frames)]

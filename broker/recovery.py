@@ -102,12 +102,12 @@ class Recovery:
                                              "hearing from its shards; try again")
 
     # ------------------------------------------------------------------ replay
-    def needs_log(self, h: dict) -> bool:
+    def needs_log(self, h) -> bool:
         """Whether a REGISTER may rebuild partitions from this broker's own log (a known shard
         that led partitions comes back): the loop then reads the log and hands it over."""
         if self.log_policy is None:
             return False
-        s = self.members.shards.get(h.get("shard")) if isinstance(h.get("shard"), str) else None
+        s = self.members.shards.get(h.shard)
         return s is not None and any(self.table.owners[p] == s.id for p in s.partitions)
 
     def schedule_replay(self, p: int, seq: int) -> None:

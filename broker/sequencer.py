@@ -87,11 +87,11 @@ class Sequencer:
             if "r" in raw_desc:
                 self.shm_live[ref] = self.shm_live.get(ref, 0) + 1
 
-    def enqueue_push(self, ref: tuple, h: dict, routed: list, weights: dict, wall) -> None:
+    def enqueue_push(self, ref: tuple, h, routed: list, weights: dict, wall) -> None:
         """A push's entries, one per tensor, queued for their partitions."""
         client, msg = ref
         ts = None
-        for (p, d, fr, name), raw in zip(routed, h["t"]):
+        for (p, d, fr, name), raw in zip(routed, h.t):
             entry = {"op": "push", "c": client, "m": msg}
             if d.ids is not None:     # rows: the time that row expiry counts from, the same
                 if ts is None:        # on every replica

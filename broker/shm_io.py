@@ -63,14 +63,20 @@ class ShmIO:
             sock.send_multipart(frames, copy=False)
             return
         shm_topic = b"r" + topic[1:]
-        if shm_topic in self.subscribed:
+        if self._followed(shm_topic):
             sock.send_multipart([shm_topic, *frames[1:]], copy=False)
-        if topic in self.subscribed:
+        if self._followed(topic):
             out = wire.inline_refs(frames, 1, self.mapper, True)
             if out is None:      # the shard rewrote a block first: those subscribers re-snapshot
                 self.stats["shm_torn_inline"] += 1
                 return
             sock.send_multipart(out, copy=False)
+
+    def _followed(self, topic: bytes) -> bool:
+        """Some subscription matches ``topic`` (ZeroMQ matches by prefix: ``b""`` follows
+        everything)."""
+        subs = self.subscribed
+        return any(topic[:n] in subs for n in range(len(topic) + 1))
 
     def subscription(self, notice: bytes) -> None:
         """An XPUB notice: ``\\x01`` + topic (a first subscriber) or ``\\x00`` + topic (the

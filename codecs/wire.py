@@ -1,4 +1,5 @@
-"""The gradbus wire format. This module is the only one that packs or unpacks a message.
+"""The gradbus wire format. This module is the only one that packs or unpacks a message;
+:mod:`.messages` turns an unpacked header into a typed message, every field checked.
 
 A message is a list of ZeroMQ frames::
 
@@ -325,9 +326,14 @@ def unpack_header(frame, allowed_kinds: frozenset[str]) -> dict:
 
 def parse_tensors(h: dict, frames, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> list[TensorDesc]:
     """Validate the descriptors in ``h['t']`` against ``frames`` (the tensor frames)."""
-    t = h.get("t", [])
+    return parse_descs(h["kind"], h.get("t", []), frames, max_tensor_bytes)
+
+
+def parse_descs(kind: str, t: list, frames,
+                max_tensor_bytes: int = MAX_TENSOR_BYTES) -> list[TensorDesc]:
+    """Validate a message's descriptors ``t`` against ``frames`` (its tensor frames)."""
     if len(frames) != len(t):
-        _bad(Code.BAD_FRAME, f"{h['kind']}: header describes {len(t)} tensors, "
+        _bad(Code.BAD_FRAME, f"{kind}: header describes {len(t)} tensors, "
                              f"{len(frames)} frames came")
     descs = [parse_desc(d, max_tensor_bytes) for d in t]
     for desc, fr in zip(descs, frames):
@@ -408,14 +414,14 @@ def _ref_ok(r, n) -> bool:
             and 0 <= n <= MAX_TENSOR_BYTES)
 
 
-def resolve_refs(h: dict, frames: list, mapper, unreadable=None) -> bool:
-    """Put the bytes that ``h``'s descriptors reference in shared memory (``r``) into
+def resolve_refs(t: list, frames: list, mapper, unreadable=None) -> bool:
+    """Put the bytes that descriptors ``t`` (a header's raw ``t``) reference in shared memory
+    (``r``) into
     ``frames`` (the tensor frames, changed in place): a view into a push ring, a copy out of a
     weights board. False when a board block was rewritten before it was read whole; a ref that
     names no readable segment raises :class:`WireError`, or with ``unreadable`` (called with
     the error and the byte count) puts what that returns there instead. Malformed descriptors
     are left for :func:`parse_tensors` to refuse."""
-    t = h.get("t")
     if not t or type(t) is not list:
         return True
     for i, d in enumerate(t):

@@ -26,7 +26,8 @@ import numpy as np
 
 from gradbus.codecs import device, stats, wire
 from gradbus.codecs.errors import Code, WireError
-from gradbus.codecs.partition import TensorLayout
+from gradbus.codecs.messages import BatchPart, InitEntry, PushEntry, TableInitEntry
+from gradbus.codecs.partition import split_key
 
 from . import backend as backend_mod
 from .rows import RowBatch
@@ -62,10 +63,10 @@ class _Work:
     streams: dict = field(default_factory=dict)
 
 
-def _ident(ent: dict, desc) -> tuple | None:
+def _ident(ent: PushEntry, desc) -> tuple | None:
     """A pushed gradient's identity, (client, msg, key), for skipping a resend; None when the
     entry carries no msg id."""
-    return (ent.get("c"), ent["m"], desc.key) if "m" in ent else None
+    return None if ent.m is None else (ent.c, ent.m, desc.key)
 
 
 def _all_finite(vals) -> bool:
@@ -75,10 +76,10 @@ def _all_finite(vals) -> bool:
     return math.isfinite(xp.add.reduce(vals, axis=None)) or bool(xp.isfinite(vals).all())
 
 
-def _weight(ent: dict, dtype) -> np.ndarray | None:
+def _weight(ent: PushEntry, dtype) -> np.ndarray | None:
     """A push's staleness scale ``w`` (0 < w < 1) as a 0-d array of ``dtype``, else None."""
-    w = ent.get("w")
-    return np.asarray(w, dtype=dtype) if isinstance(w, float) and 0.0 < w < 1.0 else None
+    w = ent.w
+    return None if w is None else np.asarray(w, dtype=dtype)
 
 
 class Applier:
@@ -100,18 +101,18 @@ class Applier:
         self.h_pushes = stats.Histogram(stats.COUNT_BUCKETS)  # gradients summed per key
 
     # -- the steps ---------------------------------------------------------------------------
-    def apply_part(self, part: dict, descs, frames, rows: RowBatch) -> PartApplied:
-        """Apply one partition's part of a batch; table rows go to ``rows``, applied by the
-        caller once every part of the message is in."""
-        p, seq, epoch = int(part["p"]), int(part["seq"]), int(part["epoch"])
-        publish = part.get("o", self.shard_id) == self.shard_id
+    def apply_part(self, part: BatchPart, descs, frames, rows: RowBatch) -> PartApplied:
+        """Apply one partition's part of a batch (checked when it was unpacked); table rows go
+        to ``rows``, applied by the caller once every part of the message is in."""
+        p, seq, epoch = part.p, part.seq, part.epoch
+        publish = part.o is None or part.o == self.shard_id
         pst = self.store.partition(p)
         if seq <= pst.seq and epoch <= pst.epoch:
             # Re-delivery of a batch already applied: apply nothing, report success again.
             return PartApplied(p, seq, epoch, [], {}, {}, duplicate=True, publish=publish)
         pst.seq, pst.epoch = seq, max(epoch, pst.epoch)
         work = _Work(p, pst)
-        for idx, ent in enumerate(part["e"]):
+        for idx, ent in enumerate(part.e):
             self._entry(idx, ent, descs, frames, work)
         for key, items in work.streams.items():
             self._sum_streams(key, items, work)
@@ -122,39 +123,41 @@ class Applier:
         self.stats["pushes_refused"] += len(work.errors)
         return PartApplied(p, seq, epoch, work.errors, work.changed, touched, publish=publish)
 
-    def _entry(self, idx: int, ent: dict, descs, frames, work: _Work) -> None:
-        """One entry, in batch order; a bad one becomes an error for its index."""
+    def _entry(self, idx: int, ent, descs, frames, work: _Work) -> None:
+        """One entry, in batch order (its fields were checked when the batch was unpacked; a
+        malformed one is an Invalid); a bad one becomes an error for its index."""
         try:
-            op = ent.get("op")
-            if op == "push":
-                i = ent["i"]
+            t = type(ent)
+            if t is PushEntry:
+                i = ent.i
                 if descs[i].ids is not None:
                     self._push_rows(descs[i], frames[i], ent, work)
                 else:
                     self._push_dense(idx, ent, descs[i], frames[i], work)
-            elif op == "init" and "table" in ent:
-                self.store.create_table(ent["key"], work.p, ent["table"])
-            elif op == "init":
+            elif t is TableInitEntry:
+                self.store.create_table(ent.key, work.p, ent.table)
+            elif t is InitEntry:
                 self._init_block(ent, descs, frames, work)
             else:
-                raise WireError(Code.BAD_FIELD, f"unknown entry op {op!r}")
+                ent.raise_()
         except WireError as e:
             work.errors.append([idx, e.code.value, str(e.args[0])])
-        except (KeyError, TypeError, ValueError, IndexError) as e:
-            work.errors.append([idx, Code.BAD_FIELD.value, f"bad entry: {e}"])
 
-    def _init_block(self, ent: dict, descs, frames, work: _Work) -> None:
-        layout = TensorLayout.from_wire(ent["layout"])
+    def _init_block(self, ent: InitEntry, descs, frames, work: _Work) -> None:
+        layout = ent.layout
         given = None
-        if ent.get("i", -1) >= 0:
-            i = ent["i"]
+        if ent.rule["name"] == "given":
+            i = ent.i
+            start, stop = layout.block_range(split_key(ent.key)[1])
+            if i is None or descs[i].shape != (stop - start,):
+                raise WireError(Code.BAD_SHAPE, f"{ent.key}: initial values missing or not "
+                                                f"[{stop - start}]")
             given = wire.decode_tensor(descs[i], frames[i], self.max_tensor_bytes)
-        blk, created = self.store.create(ent["key"], work.p, layout, ent["rule"], ent["opt"],
-                                         given)
+        blk, created = self.store.create(ent.key, work.p, layout, ent.rule, ent.opt, given)
         if created:
             work.changed[blk.key] = blk
 
-    def _push_dense(self, idx: int, ent: dict, desc, frame, work: _Work) -> None:
+    def _push_dense(self, idx: int, ent: PushEntry, desc, frame, work: _Work) -> None:
         """Check a dense gradient against its block; keep it for the streamed sum, or decode
         it whole and keep it."""
         blk = self.store.blocks.get(desc.key)
@@ -171,7 +174,7 @@ class Applier:
         else:
             self._keep(ent, desc, frame, work)
 
-    def _keep(self, ent: dict, desc, frame, work: _Work) -> None:
+    def _keep(self, ent: PushEntry, desc, frame, work: _Work) -> None:
         """Decode a dense gradient whole and keep it for its key's sum (unless refused or a
         resend)."""
         at, vals = self._decode(desc, frame)
@@ -179,7 +182,7 @@ class Applier:
         if vals is not None:
             work.sums.setdefault(desc.key, []).append((at, vals, desc.count, 1))
 
-    def _push_rows(self, desc, frame, ent: dict, work: _Work) -> None:
+    def _push_rows(self, desc, frame, ent: PushEntry, work: _Work) -> None:
         """Check and decode one pushed rows frame; kept for the batch's sum per row."""
         tbl = self.store.tables.get(desc.key)
         if tbl is None:
@@ -191,9 +194,7 @@ class Applier:
                               .reshape(desc.shape), ent, work.pst)
         if vals is None:
             return
-        ts = ent.get("ts", 0.0)
-        work.rsums.setdefault(desc.key, []).append(
-            (desc.row_ids(), vals, float(ts) if isinstance(ts, (int, float)) else 0.0))
+        work.rsums.setdefault(desc.key, []).append((desc.row_ids(), vals, ent.ts))
 
     def _sum_streams(self, key: str, items: list, work: _Work) -> None:
         """A key's dense gradients whose frames decode piece by piece (raw, fp16, bf16): after

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from gradbus.codecs import wire
+from gradbus.codecs import messages, wire
 from gradbus.codecs.errors import Code, WireError
 
 log = logging.getLogger("gradbus.shard")
@@ -231,16 +231,16 @@ def load(ck: Checkpoint, max_tensor_bytes: int = wire.MAX_TENSOR_BYTES) -> list[
         (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
         start = len(MAGIC) + 4
         try:
-            h = wire.unpack_header(data[start:start + hlen], frozenset({wire.STATE}))
+            h = messages.unpack(data[start:start + hlen], frozenset({wire.STATE}))
         except WireError as e:
             raise DamagedCheckpoint(path, f"damaged header ({e})", e.code) from None
-        held = tuple(h.get(k) for k in ("p", "epoch", "seq"))
+        held = (h.p, h.epoch, h.seq)
         if held != (p, epoch, seq):
             raise DamagedCheckpoint(path, f"holds partition {held[0]} at (epoch, seq) = "
                                           f"{held[1:]} where the MANIFEST says partition {p} at "
                                           f"{(epoch, seq)}: a file from another checkpoint")
         pos, frames = start + hlen, []
-        for d in h.get("t", []):
+        for d in h.t:
             n = d.get("n") if isinstance(d, dict) else None
             if not isinstance(n, int) or n < 0 or pos + n > len(data):
                 raise DamagedCheckpoint(path, "truncated")
@@ -249,7 +249,7 @@ def load(ck: Checkpoint, max_tensor_bytes: int = wire.MAX_TENSOR_BYTES) -> list[
         if pos != len(data):
             raise DamagedCheckpoint(path, f"{len(data) - pos} trailing bytes")
         try:
-            descs = wire.parse_tensors(h, frames, max_tensor_bytes)
+            descs = h.descs(frames, max_tensor_bytes)
             for d, fr in zip(descs, frames):
                 wire.decode_tensor(d, fr, max_tensor_bytes)   # checksums, before anything is used
         except WireError as e:

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from gradbus.codecs import jit, stats, wire
+from gradbus.codecs import jit, messages, stats, wire
 from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import split_row_key
 
@@ -70,44 +70,46 @@ class ShardCore:
         return self.replication.installing
 
     # -- entry point -------------------------------------------------------------------------
-    def handle(self, frames: list, header: dict | None = None) -> list[list]:
+    def handle(self, frames: list, header=None) -> list[list]:
         """Handle one message from the broker; return messages to send back. ``header``: the
-        already unpacked and validated header frame, when the caller has it."""
+        message already unpacked and typed (:mod:`gradbus.codecs.messages`), when the caller
+        has it."""
         try:
-            h = header or wire.unpack_header(frames[0], wire.SHARD_KINDS)
-            descs = wire.parse_tensors(h, frames[1:], self.max_tensor_bytes)
+            m = header or messages.unpack(frames[0], wire.SHARD_KINDS)
+            descs = wire.parse_descs(m.kind, getattr(m, "t", []), frames[1:],
+                                     self.max_tensor_bytes)
         except WireError as e:
             self.stats["errors"] += 1
             log.warning("bad message from broker: %s", e)
             return [[wire.error(e.code, str(e.args[0]))]]
-        kind = h["kind"]
+        kind = m.kind
         if kind == wire.BATCH:
-            return [self._batch(h, descs, frames[1:])]
+            return [self._batch(m, descs, frames[1:])]
         if kind == wire.SNAPSHOT:
-            return [self.publisher.snapshot(h)]
+            return [self.publisher.snapshot(m)]
         if kind == wire.ROWS:
-            return [self.publisher.rows(h)]
+            return [self.publisher.rows(m)]
         if kind == wire.ADOPT:
-            self.replication.adopt(int(h["p"]))
+            self.replication.adopt(m.p)
             return []
         if kind == wire.STATE_REQ:
-            return [self.replication.export(int(h["p"]), h["to"])]
+            return [self.replication.export(m.p, m.to)]
         if kind == wire.STATE:
-            return self.replication.install(h, descs, frames[1:], self._apply_now)
+            return self.replication.install(m, descs, frames[1:], self._apply_now)
         if kind == wire.DROP:
-            self.replication.drop(h["ps"])
+            self.replication.drop(m.ps)
             return []
         if kind == wire.DIGEST:
-            return [self.replication.digest_reply(h, self.shard_id)]
+            return [self.replication.digest_reply(m, self.shard_id)]
         return []  # REGISTERED / HEARTBEAT / ERROR are the loop's business
 
-    def _batch(self, h: dict, descs, frames) -> list:
+    def _batch(self, m, descs, frames) -> list:
         """Every part applied (those of partitions being caught up on held back), the rows of
         all of them updated together, then the APPLIED reply and the parts' UPDATEs."""
         t0 = time.perf_counter()
         out_parts, tail, done = [], [], []
         rows = RowBatch()     # every partition's table rows, updated together
-        for part in h["parts"]:
+        for part in m.parts:
             if not self.replication.hold(part, descs, frames):
                 done.append(self.applier.apply_part(part, descs, frames, rows))
         rows.apply()
@@ -127,9 +129,11 @@ class ShardCore:
         return self.publisher.result(applied)
 
     # -- replication, for the server loop and checkpoints ------------------------------------
-    def install_state(self, h: dict, descs, frames) -> int:
-        """Replace partition ``h['p']`` with an exported state (from a primary, or a
-        checkpoint); returns its seq."""
+    def install_state(self, h, descs, frames) -> int:
+        """Replace partition ``h.p`` with an exported state (from a primary, or a checkpoint:
+        a STATE header as unpacked, typed here); returns its seq."""
+        if isinstance(h, dict):
+            h = messages.from_header(h)
         return self.replication.install_state(h, descs, frames)
 
     def states(self) -> list[list]:

@@ -93,13 +93,13 @@ class Publisher:
         return d, buf
 
     # -- reads ---------------------------------------------------------------------------------
-    def snapshot(self, h: dict) -> list:
+    def snapshot(self, h) -> list:
         """The blocks asked for, as subscribers' updates build on them (a delta chain's
         ``published``), with each one's partition seq; unknown keys listed as missing."""
         self.stats["snapshots"] += 1
         descs, bufs, missing, parts = [], [], [], {}
-        for key in h["keys"]:
-            blk = self.store.blocks.get(key) if isinstance(key, str) else None
+        for key in h.keys:
+            blk = self.store.blocks.get(key)
             if blk is None:
                 missing.append(key)
                 continue
@@ -112,20 +112,18 @@ class Publisher:
             descs.append(d)
             bufs.append(buf)
             parts[blk.p] = self.store.partition(blk.p).seq
-        fields = {k: h[k] for k in ("req", "client", "of") if k in h}
+        fields = {"req": h.req, **{k: v for k in ("client", "of")
+                                   if (v := getattr(h, k)) is not None}}
         return [wire.pack(wire.SNAPSHOT_REPLY, descs, parts=sorted(parts.items()), missing=missing,
                           **fields), *bufs]
 
-    def rows(self, h: dict) -> list:
+    def rows(self, h) -> list:
         """Rows of a table, by partition: stored values, or for rows not created yet (never
         pushed, or filtered) their initial values. Never creates a row."""
         self.stats["row_reads"] = self.stats.get("row_reads", 0) + 1
         descs, bufs, missing = [], [], []
-        for q in h["q"]:
-            if not (isinstance(q, list) and len(q) == 2 and isinstance(q[0], int)
-                    and isinstance(q[1], bytes) and len(q[1]) % 8 == 0):
-                continue
-            key = row_key(h["table"], q[0])
+        for q in h.q:       # malformed pairs were left out when the message was unpacked
+            key = row_key(h.table, q[0])
             tbl = self.store.tables.get(key)
             if tbl is None:
                 missing.append(q[0])
@@ -134,7 +132,8 @@ class Publisher:
                                         "raw", tbl.version)
             descs.append(d)
             bufs.append(buf)
-        fields = {k: h[k] for k in ("req", "client", "of", "tv") if k in h}
+        fields = {"req": h.req, **{k: v for k in ("client", "of", "tv")
+                                   if (v := getattr(h, k)) is not None}}
         return [wire.pack(wire.ROWS_REPLY, descs, missing=missing, **fields), *bufs]
 
     def validate(self) -> None:

@@ -14,7 +14,8 @@ import logging
 import numpy as np
 
 from gradbus.codecs import wire
-from gradbus.codecs.partition import TensorLayout, split_row_key
+from gradbus.codecs.messages import StateRows
+from gradbus.codecs.partition import split_row_key
 
 from .publish import host_copy
 from .rows import RowTable
@@ -41,9 +42,9 @@ class Replication:
         """ADOPT: batches for ``p`` are held from now until its state is installed."""
         self.installing[p] = []
 
-    def hold(self, part: dict, descs, frames) -> bool:
+    def hold(self, part, descs, frames) -> bool:
         """Keep a batch part for a partition being caught up on; False when it is not one."""
-        held = self.installing.get(int(part["p"]))
+        held = self.installing.get(part.p)
         if held is None:
             return False
         # bytes read from a client's ring are its until the batch is applied by the in-sync
@@ -52,18 +53,18 @@ class Replication:
         held.append((part, descs, frames))
         return True
 
-    def install(self, h: dict, descs, frames, apply) -> list:
-        """Replace partition ``p`` with the state a primary exported at seq S, then apply (with
-        ``apply(part, descs, frames)``) the batches held back since ADOPT that come after S;
-        answer SYNCED."""
-        p = int(h["p"])
+    def install(self, h, descs, frames, apply) -> list:
+        """Replace partition ``p`` with the state a primary exported at seq S (a typed STATE),
+        then apply (with ``apply(part, descs, frames)``) the batches held back since ADOPT that
+        come after S; answer SYNCED."""
+        p = h.p
         held = self.installing.pop(p, None)
         if held is None:
             log.warning("state for partition %d that was not adopted: ignored", p)
             return []
         seq = self.install_state(h, descs, frames)
         for part, bdescs, bframes in held:
-            if int(part["seq"]) > seq:
+            if part.seq > seq:
                 apply(part, bdescs, bframes)
         self.stats["syncs"] += 1
         return [[wire.pack(wire.SYNCED, p=p, seq=self.store.partition(p).seq)]]
@@ -71,10 +72,9 @@ class Replication:
     def drop(self, ps) -> None:
         """DROP: forget these partitions (moved elsewhere), caught up on or not."""
         for p in ps:
-            if isinstance(p, int):
-                self.installing.pop(p, None)
-                self._forget(self.store.drop(p))
-                self.stats["dropped"] += 1
+            self.installing.pop(p, None)
+            self._forget(self.store.drop(p))
+            self.stats["dropped"] += 1
 
     # -- export and install ------------------------------------------------------------------
     def export(self, p: int, to: str) -> list:
@@ -104,39 +104,36 @@ class Replication:
         return [wire.pack(wire.STATE, descs, p=p, to=to, seq=pst.seq, epoch=pst.epoch,
                           blocks=metas, recent=[list(r) for r in pst.recent]), *bufs]
 
-    def install_state(self, h: dict, descs, frames) -> int:
-        """Replace partition ``h['p']`` with an exported state (from a primary, or a
+    def install_state(self, h, descs, frames) -> int:
+        """Replace partition ``h.p`` with an exported state (a typed STATE, from a primary or a
         checkpoint); returns its seq."""
-        p, seq, epoch = int(h["p"]), int(h["seq"]), int(h["epoch"])
+        p, seq, epoch = h.p, h.seq, h.epoch
         self._forget(self.store.drop(p))
         pst = self.store.partition(p)
         pos = 0
-        for meta in h["blocks"]:
-            if "table" in meta:
-                n = len(meta["arrays"])
+        for meta in h.blocks:
+            n = meta.nframes
+            if type(meta) is StateRows:
                 arrs = {name: np.array(wire.decode_tensor(d, f, self.max_tensor_bytes))
-                        for name, d, f in zip(meta["arrays"], descs[pos:pos + n],
+                        for name, d, f in zip(meta.arrays, descs[pos:pos + n],
                                               frames[pos:pos + n])}
                 pos += n
-                pool = self.store.pool(meta["key"], meta["table"])
-                self.store.install_table(meta["key"], p, RowTable.install(
-                    meta["table"], meta["scalars"], arrs, pool))
+                pool = self.store.pool(meta.key, meta.table)
+                self.store.install_table(meta.key, p, RowTable.install(
+                    meta.table, meta.scalars, arrs, pool))
                 continue
-            layout = TensorLayout.from_wire(meta["layout"])
-            n = 1 + len(meta["arrays"])
             arrs = [wire.decode_tensor(d, f, self.max_tensor_bytes)
                     for d, f in zip(descs[pos:pos + n], frames[pos:pos + n])]
             pos += n
-            blk, _ = self.store.create(meta["key"], p, layout, {"name": "given"}, meta["opt"],
+            blk, _ = self.store.create(meta.key, p, meta.layout, {"name": "given"}, meta.opt,
                                        arrs[0])
-            for name, arr in zip(meta["arrays"], arrs[1:]):
+            for name, arr in zip(meta.arrays, arrs[1:]):
                 blk.state[name][...] = self.backend.asarray(arr)
-            blk.state.update(meta["scalars"])
-            blk.version = int(meta["version"])
+            blk.state.update(meta.scalars)
+            blk.version = meta.version
         pst.seq, pst.epoch = seq, epoch
-        for r in h.get("recent") or []:
-            if isinstance(r, list) and len(r) == 3:
-                pst.recent[tuple(r)] = None
+        for r in h.recent:
+            pst.recent[r] = None
         return seq
 
     def states(self) -> list[list]:
@@ -188,16 +185,15 @@ class Replication:
             self.store.tables[key].digest_into(hsh)
         return hsh.hexdigest()
 
-    def digest_reply(self, h: dict, shard_id: str) -> list:
+    def digest_reply(self, h, shard_id: str) -> list:
         """DIGEST: each settled partition asked for (all when none are named) with its seq
         and :meth:`partition_digest`."""
-        ps = h.get("ps")
-        ps = sorted(self.store.partitions) if not isinstance(ps, list) else [
-            p for p in ps if isinstance(p, int) and p in self.store.partitions]
+        ps = sorted(self.store.partitions) if h.ps is None else [
+            p for p in h.ps if p in self.store.partitions]
         parts = [[p, self.store.partitions[p].seq, self.partition_digest(p)] for p in ps
                  if p not in self.installing]
-        fields = {k: h[k] for k in ("client", "of") if k in h}
-        return [wire.pack(wire.DIGEST_REPLY, req=h["req"], shard=shard_id, parts=parts,
+        fields = {k: v for k in ("client", "of") if (v := getattr(h, k)) is not None}
+        return [wire.pack(wire.DIGEST_REPLY, req=h.req, shard=shard_id, parts=parts,
                           **fields)]
 
     def validate(self) -> None:
@@ -206,5 +202,6 @@ class Replication:
             if not isinstance(p, int):
                 raise AssertionError(f"partition being caught up on is not an int: {p!r}")
             for part, _, _ in held:
-                if int(part["p"]) != p:
-                    raise AssertionError(f"a part for partition {part['p']} held for {p}")
+                if getattr(part, "p", None) != p:   # a typed BatchPart of partition p
+                    raise AssertionError(f"a part for partition {getattr(part, 'p', part)!r} "
+                                         f"held for {p}")

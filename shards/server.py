@@ -22,7 +22,7 @@ import uuid
 
 import zmq
 
-from gradbus.codecs import net, security, timing, wire
+from gradbus.codecs import messages, net, security, timing, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
@@ -78,7 +78,7 @@ class ShardServer:
         self.checkpoint_keep = checkpoint_keep
         self._ckpt_thread: threading.Thread | None = None
         self._ckpt_done: collections.deque = collections.deque()   # replies from the writer
-        self._ckpt_waiting: list[dict] = []      # CHECKPOINT requests for the running write
+        self._ckpt_waiting: list = []            # CHECKPOINT requests for the running write
         self.last_checkpoint: checkpoint.Checkpoint | None = None
         if restore:
             self.restore(restore)
@@ -94,7 +94,7 @@ class ShardServer:
 
     # -- checkpoints: the state is copied in the loop (consistent at each partition's seq),
     # written and fsynced by a thread, answered from the loop ----------------------------------
-    def _start_checkpoint(self, request: dict | None) -> None:
+    def _start_checkpoint(self, request) -> None:
         if request is not None:
             if not self.data_dir:
                 self._reply_checkpoint(request, None, "this shard has no data directory "
@@ -130,13 +130,13 @@ class ShardServer:
         if self._ckpt_waiting:
             self._start_checkpoint(None)   # asked while the last one was being written
 
-    def _reply_checkpoint(self, req: dict, ck, err: str | None) -> None:
-        fields = {k: req[k] for k in ("client", "of") if k in req}
+    def _reply_checkpoint(self, req, ck, err: str | None) -> None:
+        fields = {k: v for k in ("client", "of") if (v := getattr(req, k)) is not None}
         if ck is not None:
             fields.update(path=ck.path, time=ck.time, partitions=len(ck.partitions))
         else:
             fields["error"] = err
-        self.sock.send(wire.pack(wire.CHECKPOINT_REPLY, req=req["req"], shard=self.shard_id,
+        self.sock.send(wire.pack(wire.CHECKPOINT_REPLY, req=req.req, shard=self.shard_id,
                                  **fields))
 
     # -- the loop: sockets and clocks around the core and the registration state machine ------
@@ -271,16 +271,17 @@ class ShardServer:
             except zmq.Again:
                 break
             self._heard()
-            head = _peek(frames[0]) if frames else {}
-            kind = head.get("kind")
-            self._act(self.reg.heard(self.clock(), kind, head.get("code")))
+            head = _peek(frames[0]) if frames else None
+            kind = head.kind if head is not None else None
+            code = head.code if kind == wire.ERROR else None
+            self._act(self.reg.heard(self.clock(), kind, code))
             if kind == wire.REGISTERED:
                 self.shm.registered(head, self.core.publisher)
             if not frames or kind in (wire.REGISTERED, wire.HEARTBEAT):
                 continue
             if kind == wire.ERROR:
-                if head.get("code") != Code.NOT_REGISTERED.value:
-                    log.warning("broker error: %s", head.get("message"))
+                if code != Code.NOT_REGISTERED.value:
+                    log.warning("broker error: %s", head.message)
                 continue
             if kind == wire.CHECKPOINT:
                 self._start_checkpoint(head)
@@ -291,10 +292,11 @@ class ShardServer:
                 break
             if self.apply_delay:
                 time.sleep(self.apply_delay)
-            if head.get("t"):
-                self.shm.resolve(head, frames)
+            t = getattr(head, "t", None)
+            if t:
+                self.shm.resolve(t, frames)
             try:
-                outs = self.core.handle(frames, head or None)
+                outs = self.core.handle(frames, head)
             except Exception:   # a bug must not take the shard down
                 log.exception("%s failed handling a %s", self.shard_id, kind)
                 self.core.stats["errors"] += 1
@@ -338,10 +340,10 @@ class ShardServer:
             raise SystemExit(1)
 
 
-def _peek(frame) -> dict:
-    """The header of a message from the broker, or {} if it does not parse (the core will
-    report it)."""
+def _peek(frame):
+    """A message from the broker, typed (:mod:`gradbus.codecs.messages`), or None if it does
+    not pass validation (the core will report it)."""
     try:
-        return wire.unpack_header(frame, wire.SHARD_KINDS)
+        return messages.unpack(frame, wire.SHARD_KINDS)
     except WireError:
-        return {}
+        return None

@@ -31,9 +31,10 @@ class ShardShm:
     def register_fields(self) -> dict:
         return {"shm": True} if self.cluster is not None else {}
 
-    def registered(self, head: dict, publisher) -> None:
-        """REGISTERED: the broker's answer to this shard's offer to read shared memory."""
-        if head.get("shm") is True and self.cluster is not None:
+    def registered(self, head, publisher) -> None:
+        """REGISTERED (typed): the broker's answer to this shard's offer to read shared
+        memory."""
+        if head.shm and self.cluster is not None:
             if self.board is None:
                 shm.sweep(self.cluster, roles="sb")
                 self.board = shm.Board(self.cluster)
@@ -41,12 +42,12 @@ class ShardShm:
         else:
             publisher.board = None
 
-    def resolve(self, head: dict, frames: list) -> None:
+    def resolve(self, t: list, frames: list) -> None:
         """The bytes a message from the broker references in clients' rings, in its frames (in
         place). A ring that cannot be read leaves zeros there: the checksum refuses the entry,
         on every replica alike."""
         tensors = frames[1:]
-        wire.resolve_refs(head, tensors, self.mapper, self._unreadable)
+        wire.resolve_refs(t, tensors, self.mapper, self._unreadable)
         frames[1:] = tensors
 
     def _unreadable(self, err: WireError, n: int) -> bytes:

@@ -20,7 +20,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from gradbus.codecs import timing, wire
+from gradbus.codecs import messages, timing, wire
 from gradbus.codecs.errors import Code, WireError, error_from
 
 from .commands import ReadRows, Request, SendMessage, Stop, Track
@@ -30,7 +30,7 @@ log = logging.getLogger("gradbus.client")
 
 SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried again, doubling ...
 SNAPSHOT_RETRY_MAX = 30.0    # ... up to this
-_MALFORMED = (TypeError, ValueError, KeyError, AttributeError, IndexError)
+_TABLE, _HEARTBEAT, _UPDATE = (frozenset({k}) for k in (wire.TABLE, wire.HEARTBEAT, wire.UPDATE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,36 +166,35 @@ class AgentState:
         self._guarded(self._reply, frames)
 
     def _guarded(self, handler, frames) -> None:
+        """Messages are typed (every field checked) when unpacked: a malformed one is a
+        WireError, counted and dropped, never fatal."""
         try:
             handler(frames)
         except WireError as e:
             self.stats["bad_messages"] += 1
             log.warning("bad message from broker: %s", e)
-        except _MALFORMED as e:
-            self.stats["bad_messages"] += 1   # malformed beyond the schema: never fatal
-            log.warning("malformed message from broker: %r", e)
 
     def _reply(self, frames) -> None:
-        h = wire.unpack_header(frames[0], wire.CLIENT_KINDS)
-        kind = h["kind"]
-        if kind in (wire.ACK, wire.INIT_OK) or (kind == wire.ERROR and "msg" in h):
-            self._settle(h)
+        m = messages.unpack(frames[0], wire.CLIENT_KINDS)
+        kind = m.kind
+        if kind in (wire.ACK, wire.INIT_OK) or (kind == wire.ERROR and m.msg is not None):
+            self._settle(m)
         elif kind == wire.FREE:
             if self.shm is not None:
-                self.stats["shm_freed"] += self.shm.free(
-                    [m for m in h["msgs"] if isinstance(m, int)])
+                self.stats["shm_freed"] += self.shm.free(m.msgs)
         elif kind == wire.SNAPSHOT_REPLY:
-            self._on_snapshot(h, frames[1:])
+            self._on_snapshot(m, frames[1:])
         elif kind == wire.ROWS_REPLY:
-            self._on_rows(h, frames[1:])
-        elif kind in (wire.CATALOG_REPLY, wire.STATUS_REPLY) or (kind == wire.ERROR and "req" in h):
-            self._answer(kind, h)
+            self._on_rows(m, frames[1:])
+        elif kind in (wire.CATALOG_REPLY, wire.STATUS_REPLY) or (kind == wire.ERROR
+                                                                 and m.req is not None):
+            self._answer(kind, m)
         elif kind == wire.ERROR:
             self.stats["errors"] += 1
-            log.warning("broker error: %s %s", h["code"], h["message"])
+            log.warning("broker error: %s %s", m.code, m.message)
 
-    def _answer(self, kind: str, h: dict) -> None:
-        req = h.get("req")
+    def _answer(self, kind: str, h) -> None:
+        req = h.req
         self.snap_parts.pop(req, None)
         self.row_parts.pop(req, None)
         keys = self.internal.pop(req, None)
@@ -210,36 +209,32 @@ class AgentState:
         fut = self.req_futures.pop(req, None)
         if fut is not None and not fut.done():
             if kind == wire.ERROR:
-                fut.set_exception(error_from(h["code"], h["message"]))
+                fut.set_exception(error_from(h.code, h.message))
             else:
-                fut.set_result(h)
+                fut.set_result(h.header)
 
-    def _settle(self, h: dict) -> None:
+    def _settle(self, h) -> None:
         """Settle what an ACK (one push, or ``msgs``: several), INIT_OK or ERROR answers. The
         credit of every push it settles returns at once, after their Futures are resolved."""
-        kind = h["kind"]
-        msgs = h.get("msgs") if kind == wire.ACK else None
-        if isinstance(msgs, list) and msgs and all(isinstance(m, int) for m in msgs):
-            ids = dict.fromkeys(msgs)
-        else:
-            ids = (h["msg"],)
+        kind = h.kind
+        ids = h.ids if kind == wire.ACK else (h.msg,)
         settled = [m for m in ids if self._settle_one(kind, m, h)]
         if settled:
             # the credit returns last: flush() never ends before the Future (or the error a
             # later push() raises) is settled
             self.credit.release(settled)
 
-    def _settle_one(self, kind: str, msg: int, h: dict) -> bool:
+    def _settle_one(self, kind: str, msg: int, h) -> bool:
         """Resolve the Future of push or init ``msg``; False when it is to be sent again
         instead, or was settled before (an answer to a resend: counted once)."""
         resend = self.resend
         if resend is not None:
-            if (kind == wire.ERROR and h["code"] == Code.RECOVERING.value
+            if (kind == wire.ERROR and h.code == Code.RECOVERING.value
                     and resend.refused_recovering(msg, self.clock())):
                 # a restarted broker still hearing from its shards: send it again shortly
                 self.stats["recovering_retries"] += 1
                 return False
-            if (kind == wire.ERROR and h["code"] == Code.BUSY.value
+            if (kind == wire.ERROR and h.code == Code.BUSY.value
                     and resend.refused_busy(msg, self.clock())):
                 # the broker at its byte cap kept nothing of it: send it again after a back-off
                 self.stats["busy_retries"] += 1
@@ -251,7 +246,7 @@ class AgentState:
             return False
         if kind == wire.ERROR:
             self.stats["push_errors"] += 1
-            err = error_from(h["code"], h["message"])
+            err = error_from(h.code, h.message)
             if fut is None:
                 self.async_errors.append(err)
             elif not fut.done():
@@ -260,14 +255,14 @@ class AgentState:
             if kind == wire.ACK:
                 self.stats["pushes_acked"] += 1
             if fut is not None and not fut.done():
-                fut.set_result(h)
+                fut.set_result(h.header)
         return True
 
-    def _blocks(self, h: dict, frames, keep=None) -> list:
+    def _blocks(self, h, frames, keep=None) -> list:
         """Validated, checksummed and decoded ``(key, array, version, base)`` of a message's
         tensors (only keys in ``keep``, when given)."""
         mtb = self.max_tensor_bytes
-        descs = wire.parse_tensors(h, frames, mtb)
+        descs = h.descs(frames, mtb)
         # a block copied out of a shard's board under matching stamps (d.ref) is whole by the
         # stamp protocol, and never left this host's memory: it is not hashed again
         return [(d.key, wire.decode_tensor(d, f, mtb, verify=d.ref is None), d.version or 0,
@@ -282,15 +277,14 @@ class AgentState:
         self.snap_parts[req] = []
         self.out.append(Send([wire.pack(wire.SNAPSHOT, req=req, keys=keys)]))
 
-    def _on_snapshot(self, h: dict, frames) -> None:
-        req = h["req"]
+    def _on_snapshot(self, h, frames) -> None:
+        req = h.req
         got = self.snap_parts.get(req)
         if got is None:
             return   # a late reply to a request already answered or failed: nothing to decode
         blocks = self._blocks(h, frames)
-        parts = {int(p): int(s) for p, s in h["parts"]}
-        got.append((parts, blocks, h.get("missing") or []))
-        if len(got) < int(h.get("of", 1)):
+        got.append((dict(h.parts), blocks, h.missing))
+        if len(got) < h.of:
             return
         del self.snap_parts[req]
         keys = self.internal.pop(req, None)
@@ -312,19 +306,18 @@ class AgentState:
             else:
                 fut.set_result(None)
 
-    def _on_rows(self, h: dict, frames) -> None:
+    def _on_rows(self, h, frames) -> None:
         """One shard's part of a table read; the Future resolves once every part is in."""
-        req = h["req"]
+        req = h.req
         got = self.row_parts.get(req)
         if got is None:
             return
         mtb = self.max_tensor_bytes
-        descs = wire.parse_tensors(h, frames, mtb)
+        descs = h.descs(frames, mtb)
         got["rows"].extend((d, wire.decode_tensor(d, f, mtb)) for d, f in zip(descs, frames))
-        got["tv"].append(h["tv"] if isinstance(h.get("tv"), int) else -1)   # one per reply
-        if isinstance(h.get("missing"), list):
-            got["missing"] += h["missing"]
-        if len(got["tv"]) < int(h.get("of", 1)):
+        got["tv"].append(-1 if h.tv is None else h.tv)   # one per reply
+        got["missing"] += h.missing
+        if len(got["tv"]) < h.of:
             return
         del self.row_parts[req]
         fut = self.req_futures.pop(req, None)
@@ -341,34 +334,34 @@ class AgentState:
         self._guarded(self._event, frames)
 
     def _event(self, frames) -> None:
+        if len(frames) < 2:
+            raise WireError(Code.BAD_FRAME, "an events message is a topic and a header")
         topic = frames[0].bytes
         if topic == wire.TOPIC_TABLE:
-            h = wire.unpack_header(frames[1], frozenset({wire.TABLE}))
+            h = messages.unpack(frames[1], _TABLE)
             with self.cond:
-                self.cache.down = set(h.get("down", []))
+                self.cache.down = set(h.down)
                 self.cond.notify_all()
         elif topic == wire.TOPIC_HEARTBEAT:
-            self._on_heartbeat(wire.unpack_header(frames[1], frozenset({wire.HEARTBEAT})))
+            self._on_heartbeat(messages.unpack(frames[1], _HEARTBEAT))
         elif topic[:1] in (b"p", b"r"):
             self._on_update(frames)
 
-    def _on_heartbeat(self, h: dict) -> None:
+    def _on_heartbeat(self, h) -> None:
         self.stats["broker_heartbeats"] += 1
-        tv = h.get("tv")
-        if isinstance(tv, dict):
+        if h.tv is not None:
             with self.cond:
-                self.versions.on_heartbeat(tv)
+                self.versions.on_heartbeat(h.tv)
                 self.cond.notify_all()
-        ps, seqs = h.get("ps") or [], h.get("seqs") or []
-        if isinstance(ps, list) and isinstance(seqs, list) and len(ps) == len(seqs):
+        if h.ps is not None:      # with seqs of the same length, or neither
             with self.cond:
-                behind = self.cache.on_heartbeat(ps, seqs)
+                behind = self.cache.on_heartbeat(h.ps, h.seqs)
             for p in behind:
                 self._snapshot(self.cache.resync_keys(p), None)
 
     def _on_update(self, frames) -> None:
-        h = wire.unpack_header(frames[1], frozenset({wire.UPDATE}))
-        part = self.cache.parts.get(h["p"])
+        h = messages.unpack(frames[1], _UPDATE)
+        part = self.cache.parts.get(h.p)
         if part is None:
             return
         tensors = frames[2:]
@@ -377,12 +370,12 @@ class AgentState:
             return
         blocks = self._blocks(h, tensors, part.keys)
         with self.cond:
-            gap = self.cache.on_update(h["p"], h["seq"], blocks)
+            gap = self.cache.on_update(h.p, h.seq, blocks)
             self.cond.notify_all()
         self.stats["updates_received"] += 1
         self.stats["recv_bytes"] += sum(wire.frame_len(f) for f in tensors)
         if gap:
-            self._snapshot(self.cache.resync_keys(h["p"]), None)
+            self._snapshot(self.cache.resync_keys(h.p), None)
 
     def validate_state(self) -> None:
         assert self.row_parts.keys() <= self.req_futures.keys(), "rows read without a waiter"

@@ -125,7 +125,7 @@ class WeightCache:
                 # a delta: it applies only onto the value published at ``base``
                 if key in part.pending or cur is None or seq <= cur.seq:
                     continue
-                if cur.pub != base:
+                if cur.pub != base or cur.value.shape != arr.shape:
                     self.stats["gaps"] += 1
                     part.resync = True
                     part.buffered = []

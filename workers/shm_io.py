@@ -24,6 +24,7 @@ class ClientShm:
 
     @classmethod
     def offered(cls, welcome: dict, wanted: bool, window_bytes: int) -> ClientShm | None:
+        """``welcome``: the WELCOME header (a dict, as ``net.hello`` returns it)."""
         if not wanted:
             return None
         cluster = shm.accept(welcome.get("shm"))
@@ -48,10 +49,10 @@ class ClientShm:
     def free(self, msgs) -> int:
         return self.ring.free(msgs)
 
-    def resolve(self, h: dict, frames: list) -> bool:
+    def resolve(self, h, frames: list) -> bool:
         """An UPDATE's board blocks copied into its frames; False when one was rewritten
         before it was read (a later update, or a snapshot, brings it)."""
-        return wire.resolve_refs(h, frames, self.mapper)
+        return wire.resolve_refs(h.t, frames, self.mapper)
 
     def close(self) -> None:
         self.mapper.close()

@@ -1,0 +1,701 @@
+"""Typed messages: one slots dataclass per kind, built and checked once when a message is
+unpacked, so handlers read attributes that hold what the protocol says they hold.
+
+:func:`unpack` is :func:`wire.unpack_header` (steps 1-6 of the protocol's validation: size,
+msgpack, version, kind, required fields' types; still the only msgpack unpacker) followed by
+:func:`from_header`, which checks every field beyond that, nested ones included (BATCH parts and
+entries, APPLIED results, INIT tensors and optimizer, ROWS queries, ADMIN ops, REGISTER holds,
+STATE blocks: :mod:`.nested`), and raises :class:`FieldError` (``BAD_FIELD``, or the code the
+protocol names) naming the kind and the field. A receiver that must check a sender's roles
+between the two (the broker) calls them apart.
+
+Rules, as protocol.md section 6.0 gives them: an optional field of the wrong type is absent
+(None, or its default) unless the protocol names an error for it; fields a receiver does not
+know are ignored. Dicts stay only where the protocol carries free-form maps (status, a shard's
+``info``, optimizer and table settings forwarded as sent) and in ``t``, the raw descriptors,
+which :func:`wire.parse_descs` checks against the frames (:meth:`descs`). Replies that resolve
+a client's Future keep their ``header`` (the public API returns it).
+
+PUSH, BATCH, APPLIED, ACK and UPDATE are per message on the hot path: their builders trust the
+types :func:`wire.unpack_header` already checked and use plain slots classes (a frozen one
+costs four times as much to build).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from . import specs, wire
+from .errors import Code, WireError
+from .nested import (  # noqa: F401  (re-exported: the nested types handlers match on)
+    MAX_SHARD_ID,
+    AppliedPart,
+    BatchPart,
+    HeldTensor,
+    InitEntry,
+    Invalid,
+    PushEntry,
+    StateBlock,
+    StateRows,
+    TableInitEntry,
+    TableSpec,
+    TensorSpec,
+    applied_part,
+    batch_part,
+    held_tensor,
+    init_tables,
+    init_tensors,
+    int_list,
+    recent,
+    state_block,
+    str_list,
+)
+
+
+class FieldError(WireError):
+    """A message past steps 1-6 with a malformed field: ``ids`` holds its ``msg`` or ``req``
+    (an ERROR answering it copies them)."""
+
+    def __init__(self, code: Code, message: str, ids: dict):
+        super().__init__(code, message)
+        self.ids = ids
+
+
+def _opt(v, t):
+    return v if type(v) is t else None
+
+
+def _opt_int(v, lo: int = 0):
+    return v if type(v) is int and v >= lo else None
+
+
+class _Tensors:
+    """For kinds that carry tensor frames: ``t``, the descriptors as sent."""
+    __slots__ = ()
+
+    def descs(self, frames, max_tensor_bytes: int = wire.MAX_TENSOR_BYTES) -> list:
+        """The descriptors checked against ``frames`` (steps 7-9)."""
+        return wire.parse_descs(self.kind, self.t, frames, max_tensor_bytes)
+
+
+# ------------------------------------------------------------------ hot path
+@dataclass(slots=True)
+class Push(_Tensors):
+    kind = wire.PUSH
+    msg: int
+    acks: int            # 0, 1 or ACKS_ALL
+    ver: int | None
+    t: list
+
+
+@dataclass(slots=True)
+class Ack:
+    kind = wire.ACK
+    msg: int
+    msgs: tuple | None    # every push acknowledged, when a non-empty list of ints came
+    header: dict
+
+    @property
+    def ids(self) -> tuple:
+        return self.msgs or (self.msg,)
+
+
+@dataclass(slots=True)
+class Free:
+    kind = wire.FREE
+    msgs: tuple          # the pushes whose shared-memory slots are free (ints only)
+
+
+@dataclass(slots=True)
+class Batch(_Tensors):
+    kind = wire.BATCH
+    parts: list          # BatchPart
+    t: list
+
+
+@dataclass(slots=True)
+class Applied:
+    kind = wire.APPLIED
+    parts: list          # AppliedPart
+    shard: str | None
+
+    def updates(self, frames: list) -> list:
+        """Per part, the frames of its embedded UPDATE (None for ``n == -1``); ``frames``
+        the message's frames after the header. BAD_FIELD when their count is not what the
+        parts' ``n`` say."""
+        out, pos = [], 0
+        for part in self.parts:
+            n = part.n
+            if n < 0:
+                out.append(None)
+                continue
+            out.append(frames[pos:pos + 1 + n])
+            pos += 1 + n
+        if pos != len(frames):
+            raise WireError(Code.BAD_FIELD, f"applied: parts announce {pos} update frames, "
+                                            f"{len(frames)} came")
+        return out
+
+
+@dataclass(slots=True)
+class Update(_Tensors):
+    kind = wire.UPDATE
+    p: int
+    seq: int
+    epoch: int
+    t: list
+
+
+# ------------------------------------------------------------------ frontend requests
+@dataclass(frozen=True, slots=True)
+class Hello:
+    kind = wire.HELLO
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class Init(_Tensors):
+    kind = wire.INIT
+    msg: int
+    opt: dict                 # the optimizer, checked, as sent (forwarded in init entries)
+    tensors: tuple            # TensorSpec or Invalid per entry, in request order
+    tables: object            # None, Invalid (not a list), or TableSpec/Invalid per entry
+    cons: dict                # normalized (specs.consistency_from_wire)
+    t: list
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    kind = wire.SNAPSHOT
+    req: int
+    keys: tuple
+    client: bytes | None
+    of: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    kind = wire.ROWS
+    req: int
+    table: str
+    q: tuple                  # (p, ids bytes) pairs, well formed
+    malformed: int            # pairs that were not [int, bin of 8k bytes] (a shard skips them)
+    min: int | None
+    tv: int | None
+    client: bytes | None
+    of: int | None
+
+    def fields(self) -> dict:
+        """What a ROWS forwarded to a shard carries besides ``req``, routing and ``tv``."""
+        return {"table": self.table, "q": [list(x) for x in self.q]}
+
+
+@dataclass(frozen=True, slots=True)
+class Catalog:
+    kind = wire.CATALOG
+    req: int
+    names: tuple | None
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    kind = wire.STATUS
+    req: int
+    table: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Digest:
+    kind = wire.DIGEST
+    req: int
+    ps: tuple | None
+    client: bytes | None
+    of: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    kind = wire.CHECKPOINT
+    req: int
+    ps: tuple | None
+    client: bytes | None
+    of: int | None
+
+
+ADMIN_OPS = ("rebalance", "drain")
+
+
+@dataclass(frozen=True, slots=True)
+class Admin:
+    kind = wire.ADMIN
+    req: int
+    op: str                   # one of ADMIN_OPS
+    shard: str | None         # drain only
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    kind = wire.HEARTBEAT
+    info: dict | None         # a shard's counters (free-form)
+    ps: tuple | None          # events: partitions published, with ...
+    seqs: tuple | None        # ... their last seqs (None unless both are int lists alike)
+    tv: dict | None           # events: tensor -> version
+    shm: bool | None          # a client's: it took up the broker's shared memory
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    kind = wire.BYE
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    kind = wire.STOP
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    kind = wire.ERROR
+    code: str
+    message: str
+    msg: int | None
+    req: int | None
+    header: dict
+
+
+# ------------------------------------------------------------------ shards
+@dataclass(frozen=True, slots=True)
+class Register:
+    kind = wire.REGISTER
+    shard: str
+    holds: tuple              # (p, epoch, seq)
+    rejoin: bool
+    tensors: tuple            # HeldTensor, usable ones
+    blocks: tuple             # (key, version), usable ones
+    skipped: int              # entries of tensors and blocks that were not usable
+    shm: bool                 # it took up the broker's shared memory (protocol section 21)
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    kind = wire.REGISTERED
+    shard: str
+    partitions: int | None
+    shm: bool                 # the broker sends this shard shared-memory references
+
+
+@dataclass(frozen=True, slots=True)
+class Adopt:
+    kind = wire.ADOPT
+    p: int
+
+
+@dataclass(frozen=True, slots=True)
+class StateReq:
+    kind = wire.STATE_REQ
+    p: int
+    to: str
+
+
+@dataclass(frozen=True, slots=True)
+class State(_Tensors):
+    kind = wire.STATE
+    p: int
+    to: str
+    seq: int
+    epoch: int
+    blocks: tuple             # StateBlock or StateRows, in frame order
+    recent: tuple             # (c, m, key)
+    t: list
+
+
+@dataclass(frozen=True, slots=True)
+class Synced:
+    kind = wire.SYNCED
+    p: int
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Drop:
+    kind = wire.DROP
+    ps: tuple                 # entries that are not ints are left out
+
+
+# ------------------------------------------------------------------ replies
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    kind = wire.WELCOME
+    events: int
+    backend: int
+    partitions: int
+    down: tuple
+    hb: float | None          # the broker's heartbeat interval, when usable
+    shm: dict | None          # the broker's shared-memory offer (checked by shm.accept)
+
+
+@dataclass(frozen=True, slots=True)
+class InitOk:
+    kind = wire.INIT_OK
+    msg: int
+    created: tuple
+    existing: tuple
+    header: dict
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotReply(_Tensors):
+    kind = wire.SNAPSHOT_REPLY
+    req: int
+    parts: tuple              # (p, seq)
+    missing: tuple
+    client: bytes | None
+    of: int
+    t: list
+
+
+@dataclass(frozen=True, slots=True)
+class RowsReply(_Tensors):
+    kind = wire.ROWS_REPLY
+    req: int
+    missing: tuple
+    tv: int | None
+    client: bytes | None
+    of: int
+    t: list
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogReply:
+    kind = wire.CATALOG_REPLY
+    req: int
+    tensors: list
+    tables: list
+    header: dict
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    kind = wire.STATUS_REPLY
+    req: int
+    status: dict
+    header: dict
+
+
+@dataclass(frozen=True, slots=True)
+class DigestReply:
+    kind = wire.DIGEST_REPLY
+    req: int
+    shard: str
+    parts: tuple              # (p, seq, digest)
+    client: bytes | None
+    of: int
+    header: dict
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointReply:
+    kind = wire.CHECKPOINT_REPLY
+    req: int
+    shard: str
+    path: str | None
+    time: float | None
+    partitions: int | None
+    error: str | None
+    client: bytes | None
+    of: int
+    header: dict
+
+
+@dataclass(frozen=True, slots=True)
+class AdminReply:
+    kind = wire.ADMIN_REPLY
+    req: int
+    result: dict
+    header: dict
+
+
+@dataclass(frozen=True, slots=True)
+class Table:
+    kind = wire.TABLE
+    version: int
+    owners: tuple
+    standbys: tuple | None
+    epochs: tuple | None
+    down: tuple
+
+
+# ------------------------------------------------------------------ builders
+_ALL = wire.ACKS_ALL
+_EMPTY: list = []      # never written to
+
+
+def _fail(h: dict, e: WireError):
+    """The FieldError for ``e``: its message names the kind first, and it carries the ids."""
+    ids = {k: h[k] for k in ("msg", "req") if type(h.get(k)) is int}
+    kind, message = h["kind"], str(e.args[0])
+    raise FieldError(e.code, message if message.startswith(kind) else f"{kind}: {message}",
+                     ids) from None
+
+
+def _of(h) -> int:
+    of = h.get("of", 1)
+    return of if type(of) is int and of >= 1 else 1
+
+
+def _push(h, P):
+    acks, ver = h["acks"], h.get("ver")
+    if acks != 1 and acks != 0 and acks != _ALL:
+        raise WireError(Code.BAD_FIELD, f"push: acks must be 0, 1 or {_ALL} (all), not {acks}")
+    if ver is not None and ver.__class__ is not int:
+        ver = None
+    return Push(h["msg"], acks, ver, h.get("t", _EMPTY))
+
+
+def _ack(h, P):
+    msgs = h.get("msgs")
+    if msgs is not None:
+        if msgs.__class__ is list and msgs:
+            for m in msgs:
+                if m.__class__ is not int:
+                    msgs = None
+                    break
+            else:
+                msgs = tuple(dict.fromkeys(msgs))
+        else:
+            msgs = None
+    return Ack(h["msg"], msgs, h)
+
+
+def _batch(h, P):
+    t = h.get("t", [])
+    nt = len(t)
+    return Batch([batch_part(x, nt) for x in h["parts"]], t)
+
+
+def _applied(h, P):
+    return Applied([applied_part(x, P) for x in h["parts"]], _opt(h.get("shard"), str))
+
+
+def _update(h, P):
+    p, seq, epoch = h["p"], h["seq"], h["epoch"]
+    if p < 0 or seq < 0 or epoch < 0:
+        raise WireError(Code.BAD_FIELD, f"update: p, seq and epoch must be >= 0, not "
+                                        f"{p}, {seq}, {epoch}")
+    return Update(p, seq, epoch, h.get("t", []))
+
+
+def _init(h, P):
+    opt, tensors = h["opt"], h["tensors"]
+    if specs.optimizer_from_wire(opt).name == "ftrl" and tensors:
+        raise WireError(Code.BAD_FIELD, "init: ftrl optimizes embedding table rows only "
+                                        "(init_table)")
+    try:
+        cons = specs.consistency_from_wire(h.get("cons"))
+    except ValueError as e:
+        raise WireError(Code.BAD_FIELD, f"init: cons {e}") from None
+    return Init(h["msg"], opt, init_tensors(tensors), init_tables(h.get("tables")), cons,
+                h.get("t", []))
+
+
+def _snapshot(h, P):
+    return Snapshot(h["req"], str_list(h["keys"], "snapshot", "keys"),
+                    _opt(h.get("client"), bytes), _opt_int(h.get("of"), 1))
+
+
+def _rows(h, P):
+    q, good = h["q"], []
+    for x in q:
+        if (type(x) is list and len(x) == 2 and type(x[0]) is int and type(x[1]) is bytes
+                and not len(x[1]) % 8 and (0 <= x[0] < P if P else x[0] >= 0)):
+            good.append((x[0], x[1]))
+    return Rows(h["req"], h["table"], tuple(good), len(q) - len(good), _opt(h.get("min"), int),
+                _opt(h.get("tv"), int), _opt(h.get("client"), bytes), _opt_int(h.get("of"), 1))
+
+
+def _ps(h, P):
+    ps = h.get("ps")
+    return None if ps is None else int_list(ps, h["kind"], "ps", 0, P or 65536)
+
+
+def _digest(h, P):
+    return Digest(h["req"], _ps(h, P), _opt(h.get("client"), bytes), _opt_int(h.get("of"), 1))
+
+
+def _checkpoint(h, P):
+    return Checkpoint(h["req"], _ps(h, P), _opt(h.get("client"), bytes),
+                      _opt_int(h.get("of"), 1))
+
+
+def _catalog(h, P):
+    names = h.get("names")
+    if names is not None and type(names) is not list:
+        raise WireError(Code.BAD_FIELD, "catalog: names must be a list")
+    return Catalog(h["req"], None if names is None else tuple(n for n in names
+                                                              if type(n) is str))
+
+
+def _admin(h, P):
+    if h["op"] not in ADMIN_OPS:
+        raise WireError(Code.BAD_FIELD, f"admin: unknown op {h['op']!r}")
+    return Admin(h["req"], h["op"], _opt(h.get("shard"), str))
+
+
+def _heartbeat(h, P):
+    ps, seqs, tv = h.get("ps"), h.get("seqs"), h.get("tv")
+    if not (type(ps) is list and type(seqs) is list and len(ps) == len(seqs)
+            and all(type(x) is int for x in ps) and all(type(x) is int for x in seqs)):
+        ps = seqs = None
+    if type(tv) is not dict or not all(type(k) is str and type(v) is int
+                                       for k, v in tv.items()):
+        tv = None
+    return Heartbeat(_opt(h.get("info"), dict), None if ps is None else tuple(ps),
+                     None if seqs is None else tuple(seqs), tv, _opt(h.get("shm"), bool))
+
+
+def _error(h, P):
+    return Error(h["code"], h["message"], _opt(h.get("msg"), int), _opt(h.get("req"), int), h)
+
+
+def _register(h, P):
+    sid, holds = h["shard"], h.get("holds", [])
+    if not sid or len(sid) > MAX_SHARD_ID:
+        raise WireError(Code.BAD_FIELD, f"register: shard id must be 1..{MAX_SHARD_ID} "
+                                        "characters")
+    if type(holds) is not list or not all(
+            type(x) is list and len(x) == 3 and all(type(v) is int and v >= 0 for v in x)
+            and x[0] < (P or 65536) for x in holds):
+        raise WireError(Code.BAD_FIELD, "register: holds must be [[partition, epoch, seq], ...]")
+    tensors, blocks = h.get("tensors"), h.get("blocks")
+    tensors = tensors if type(tensors) is list else []
+    blocks = blocks if type(blocks) is list else []
+    held = []
+    for t in tensors:
+        try:
+            held.append(held_tensor(t))
+        except WireError:
+            pass
+    good = tuple((b[0], b[1]) for b in blocks if type(b) is list and len(b) == 2
+                 and type(b[0]) is str and type(b[1]) is int and b[1] >= 0)
+    return Register(sid, tuple(tuple(x) for x in holds), h.get("rejoin") is True, tuple(held),
+                    good, len(tensors) - len(held) + len(blocks) - len(good),
+                    h.get("shm") is True)
+
+
+def _registered(h, P):
+    return Registered(h["shard"], _opt_int(h.get("partitions"), 1), h.get("shm") is True)
+
+
+def _p(h, P) -> int:
+    p = h["p"]
+    if not 0 <= p < (P or 65536):
+        raise WireError(Code.BAD_FIELD, f"{h['kind']}: p {p} is not a partition")
+    return p
+
+
+def _state(h, P):
+    blocks = tuple(state_block(b) for b in h["blocks"])
+    if sum(b.nframes for b in blocks) != len(h.get("t", [])):
+        raise WireError(Code.BAD_FIELD, "state: blocks name another number of frames than t "
+                                        "holds")
+    return State(_p(h, P), h["to"], h["seq"], h["epoch"], blocks, recent(h.get("recent")),
+                 h.get("t", []))
+
+
+def _welcome(h, P):
+    for name in ("events", "backend", "partitions"):
+        if not 1 <= h[name] <= 65535:
+            raise WireError(Code.BAD_FIELD, f"welcome: {name} {h[name]} is not in 1..65535")
+    down, hb = h.get("down"), h.get("hb")
+    ok_hb = type(hb) in (int, float) and math.isfinite(hb) and hb > 0
+    return Welcome(h["events"], h["backend"], h["partitions"],
+                   tuple(down) if type(down) is list and all(type(x) is int for x in down)
+                   else (), float(hb) if ok_hb else None, _opt(h.get("shm"), dict))
+
+
+def _snapshot_reply(h, P):
+    parts = h["parts"]
+    if not all(type(x) is list and len(x) == 2 and type(x[0]) is int and type(x[1]) is int
+               for x in parts):
+        raise WireError(Code.BAD_FIELD, "snapshot_reply: parts must be [[partition, seq], ...]")
+    missing = h.get("missing")
+    return SnapshotReply(h["req"], tuple((p, s) for p, s in parts),
+                         str_list(missing, "snapshot_reply", "missing") if missing else (),
+                         _opt(h.get("client"), bytes), _of(h), h.get("t", []))
+
+
+def _rows_reply(h, P):
+    missing = h.get("missing")
+    return RowsReply(h["req"], int_list(missing, "rows_reply", "missing") if missing else (),
+                     _opt(h.get("tv"), int), _opt(h.get("client"), bytes), _of(h),
+                     h.get("t", []))
+
+
+def _digest_reply(h, P):
+    parts = h["parts"]
+    if not all(type(x) is list and len(x) == 3 and type(x[0]) is int and type(x[1]) is int
+               and type(x[2]) is str for x in parts):
+        raise WireError(Code.BAD_FIELD, "digest_reply: parts must be [[p, seq, digest], ...]")
+    return DigestReply(h["req"], h["shard"], tuple(tuple(x) for x in parts),
+                       _opt(h.get("client"), bytes), _of(h), h)
+
+
+def _checkpoint_reply(h, P):
+    t = h.get("time")
+    return CheckpointReply(h["req"], h["shard"], _opt(h.get("path"), str),
+                           float(t) if type(t) in (int, float) else None,
+                           _opt(h.get("partitions"), int), _opt(h.get("error"), str),
+                           _opt(h.get("client"), bytes), _of(h), h)
+
+
+def _table(h, P):
+    standbys, epochs, down = h.get("standbys"), h.get("epochs"), h.get("down")
+    return Table(h["version"], str_list(h["owners"], "table", "owners"),
+                 tuple(tuple(s) for s in standbys) if type(standbys) is list and all(
+                     type(s) is list for s in standbys) else None,
+                 tuple(epochs) if type(epochs) is list and all(type(e) is int for e in epochs)
+                 else None,
+                 tuple(x for x in down if type(x) is int) if type(down) is list else ())
+
+
+_BUILD = {
+    wire.PUSH: _push, wire.ACK: _ack, wire.BATCH: _batch,
+    wire.FREE: lambda h, P: Free(tuple(m for m in h["msgs"] if type(m) is int)), wire.APPLIED: _applied,
+    wire.UPDATE: _update, wire.HELLO: lambda h, P: Hello(h["role"]), wire.INIT: _init,
+    wire.SNAPSHOT: _snapshot, wire.ROWS: _rows, wire.CATALOG: _catalog,
+    wire.STATUS: lambda h, P: Status(h["req"], h.get("table") is True),
+    wire.DIGEST: _digest, wire.CHECKPOINT: _checkpoint, wire.ADMIN: _admin,
+    wire.HEARTBEAT: _heartbeat, wire.BYE: lambda h, P: Bye(), wire.STOP: lambda h, P: Stop(),
+    wire.ERROR: _error, wire.REGISTER: _register, wire.REGISTERED: _registered,
+    wire.ADOPT: lambda h, P: Adopt(_p(h, P)),
+    wire.STATE_REQ: lambda h, P: StateReq(_p(h, P), h["to"]), wire.STATE: _state,
+    wire.SYNCED: lambda h, P: Synced(_p(h, P), h["seq"]),
+    wire.DROP: lambda h, P: Drop(tuple(p for p in h["ps"] if type(p) is int)),
+    wire.WELCOME: _welcome,
+    wire.INIT_OK: lambda h, P: InitOk(h["msg"], str_list(h["created"], "init_ok", "created"),
+                                      str_list(h["existing"], "init_ok", "existing"), h),
+    wire.SNAPSHOT_REPLY: _snapshot_reply, wire.ROWS_REPLY: _rows_reply,
+    wire.CATALOG_REPLY: lambda h, P: CatalogReply(h["req"], h["tensors"],
+                                                  _opt(h.get("tables"), list) or [], h),
+    wire.STATUS_REPLY: lambda h, P: StatusReply(h["req"], h["status"], h),
+    wire.DIGEST_REPLY: _digest_reply, wire.CHECKPOINT_REPLY: _checkpoint_reply,
+    wire.ADMIN_REPLY: lambda h, P: AdminReply(h["req"], h["result"], h),
+    wire.TABLE: _table,
+}
+assert _BUILD.keys() == wire.SCHEMA.keys()
+
+
+def from_header(h: dict, partitions: int | None = None):
+    """The typed message of a header :func:`wire.unpack_header` returned. ``partitions``:
+    the receiver's P, when it knows it (partition numbers are then checked against it).
+    Raises :class:`FieldError`."""
+    try:
+        return _BUILD[h["kind"]](h, partitions)
+    except WireError as e:
+        _fail(h, e)
+
+
+def unpack(frame, allowed_kinds: frozenset[str], partitions: int | None = None):
+    """Unpack, check and type a header frame (:func:`wire.unpack_header`, then
+    :func:`from_header`)."""
+    return from_header(wire.unpack_header(frame, allowed_kinds), partitions)

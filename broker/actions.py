@@ -51,6 +51,7 @@ class Adopt(ToShard):
 @dataclass(frozen=True, slots=True)
 class Publish:
     frames: list
+    refs: bool = False        # an UPDATE from a shard that may reference its board
 
 
 @dataclass(frozen=True, slots=True)

@@ -178,7 +178,7 @@ class ShardEvents:
             ho = handover.get(p)
             if ho is not None and ho[0] == s.id and not primary and s.id not in tb.standbys[p]:
                 if seq <= ho[1] and pub is not None:     # sent to it as the primary
-                    actions.append(Publish([wire.topic_partition(p), *pub]))
+                    actions.append(Publish([wire.topic_partition(p), *pub], s.shm))
                     sq.published_seq[p] = max(seq, sq.published_seq.get(p, 0))
                 if seq >= ho[1]:
                     del handover[p]
@@ -189,7 +189,7 @@ class ShardEvents:
                 continue
             if primary:
                 if pub is not None:
-                    actions.append(Publish([wire.topic_partition(p), *pub]))
+                    actions.append(Publish([wire.topic_partition(p), *pub], s.shm))
                     b = sq.inflight.get((p, seq))
                     pending = self.settlement.pending
                     for ref in (b.refs if b is not None and not b.primary_done else ()):

@@ -140,8 +140,8 @@ class BrokerServer:
                         if inline:
                             frames = self.shm_io.to_shard(frames, inline)
                         self.backend.send_multipart([identity, *frames], copy=False)
-                    case Publish(frames):
-                        self.shm_io.publish(self.events, frames)
+                    case Publish(frames, refs):
+                        self.shm_io.publish(self.events, frames, refs)
                     case AppendLog(parts, t_list, frames, at):
                         self.log.append(parts, *self.shm_io.to_log(t_list, frames), at)
                     case SyncLog():

@@ -55,9 +55,10 @@ class ShmIO:
     def to_log(self, t_list: list, frames: list) -> tuple[list, list]:
         return wire.inline_descs(t_list, frames, self.mapper)
 
-    def publish(self, sock: zmq.Socket, frames: list) -> None:
+    def publish(self, sock: zmq.Socket, frames: list, refs: bool = False) -> None:
         """One event. A partition's UPDATE goes to each of its two topics that has
-        subscribers; every other event as it is."""
+        subscribers, its board blocks (``refs``: it came from a shard that may reference its
+        board) copied into frames for the ``p`` one; every other event as it is."""
         topic = frames[0]
         if topic[:1] != b"p":
             sock.send_multipart(frames, copy=False)
@@ -66,7 +67,7 @@ class ShmIO:
         if self._followed(shm_topic):
             sock.send_multipart([shm_topic, *frames[1:]], copy=False)
         if self._followed(topic):
-            out = wire.inline_refs(frames, 1, self.mapper, True)
+            out = wire.inline_refs(frames, 1, self.mapper, True) if refs else frames
             if out is None:      # the shard rewrote a block first: those subscribers re-snapshot
                 self.stats["shm_torn_inline"] += 1
                 return

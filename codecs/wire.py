@@ -190,11 +190,12 @@ def row_ids(ids: bytes) -> np.ndarray:
 
 
 def encode_tensor(key: str, arr: np.ndarray, chain: str = "raw", version: int | None = None,
-                  rng=None):
+                  rng=None, hashed: bool = True):
     """Encode one tensor: returns ``(desc dict, frame buffer)``. ``rng`` feeds the stochastic
-    codecs (randomk, int8 rounding)."""
+    codecs (randomk, int8 rounding). ``hashed=False``: ``x`` is 0 (a block published into a
+    board; whoever copies it into a frame sets it, see :func:`inline_refs`)."""
     applied, buf = _encoder(arr)(arr, chain, rng=rng)
-    return _desc(key, arr, applied, buf, version), buf
+    return _desc(key, arr, applied, buf, version, hashed), buf
 
 
 def encode_tensor_lossy(key: str, arr: np.ndarray, chain: str, rng=None,
@@ -222,10 +223,11 @@ def split_weights_codec(chain: str) -> tuple[bool, str]:
     return delta, rest
 
 
-def _desc(key: str, arr: np.ndarray, applied: str, buf, version: int | None) -> dict:
+def _desc(key: str, arr: np.ndarray, applied: str, buf, version: int | None,
+          hashed: bool = True) -> dict:
     mv = memoryview(buf)
     desc = {"k": key, "d": tcodec.dtype_name(arr.dtype), "s": list(arr.shape), "c": applied,
-            "n": mv.nbytes, "x": checksum(mv)}
+            "n": mv.nbytes, "x": checksum(mv) if hashed else 0}
     if version is not None:
         desc["ver"] = version
     return desc
@@ -463,6 +465,7 @@ def inline_refs(frames: list, at: int, mapper, copy: bool) -> list | None:
             buf = mapper.copy(r, n)
             if buf is None:
                 return None
+            d["x"] = checksum(buf)     # a board's publisher need not hash what it wrote
         else:
             buf = mapper.view(r, n)
             if copy:

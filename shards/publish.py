@@ -58,7 +58,9 @@ class Publisher:
                 d, buf = self._encode_delta(blk, done.seq)
             else:
                 host = self.backend.to_host(blk.value)
-                d, buf = wire.encode_tensor(blk.key, host, self.weights_chain, blk.version)
+                # into a board: readers copy it out under its stamps and do not hash it
+                d, buf = wire.encode_tensor(blk.key, host, self.weights_chain, blk.version,
+                                            hashed=board is None)
                 if board is None:
                     buf = net.detach(buf, host)   # the next step writes the block in place
             if board is not None:
@@ -68,6 +70,7 @@ class Publisher:
                     buf = b""
                 elif not self.delta:
                     buf = net.detach(buf, host)
+                    d["x"] = wire.checksum(buf)
             descs.append(d)
             bufs.append(buf)
         pub = wire.pack(wire.UPDATE, descs, p=done.p, seq=done.seq, epoch=done.epoch)

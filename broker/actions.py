@@ -34,13 +34,16 @@ class AckClient(ToClient):
 
 INLINE_VIEW = 1      # ToShard.inline: put shared-memory bytes in the frames (zero-copy views)
 INLINE_COPY = 2      # ... as copies (for a receiver nothing waits for: its slots may be reused)
+RELAY = 3            # ... the other way: frames from clients without it go into the broker's
+                     # ring and the shard gets references (ToShard.relay names the slots)
 
 
 @dataclass(frozen=True, slots=True)
 class ToShard:
     identity: bytes
     frames: list
-    inline: int = 0           # the receiver does not read shared memory: see INLINE_*
+    inline: int = 0           # the receiver does not read shared memory: see INLINE_*; RELAY
+    relay: int = 0            # RELAY: the id the broker's ring holds this message's bytes under
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +66,11 @@ class AppendLog:
 
 
 @dataclass(frozen=True, slots=True)
+class FreeRelays:
+    relays: tuple             # relay ids whose batches every replica applied: free their slots
+
+
+@dataclass(frozen=True, slots=True)
 class SyncLog:
     pass
 
@@ -79,4 +87,4 @@ class Acked:
     msg: int
 
 
-Action = ToClient | ToShard | Publish | AppendLog | SyncLog | ReadLog
+Action = ToClient | ToShard | Publish | AppendLog | SyncLog | ReadLog | FreeRelays

@@ -39,7 +39,7 @@ from gradbus.codecs.partition import DEFAULT_PARTITIONS, row_key, split_key, tab
 
 from . import status as _status
 from .acked import AckMarks
-from .actions import AckClient, Acked, Adopt, Publish, ReadLog, ToClient, ToShard
+from .actions import AckClient, Acked, Adopt, FreeRelays, Publish, ReadLog, ToClient, ToShard
 from .admission import Admission
 from .backend import ShardEvents
 from .catalog import Catalog
@@ -150,6 +150,9 @@ class BrokerCore:
         push)."""
         if self.sequencer.freed:
             actions = self._free(actions)
+        if self.sequencer.relays_done:
+            actions = [*actions, FreeRelays(tuple(self.sequencer.relays_done))]
+            self.sequencer.relays_done.clear()
         if not actions:
             return actions
         acks: dict[bytes, list[int]] | None = None

@@ -17,9 +17,11 @@ from dataclasses import dataclass
 
 from gradbus.codecs import wire
 
-from .actions import INLINE_COPY, INLINE_VIEW, ToShard
+from .actions import INLINE_COPY, INLINE_VIEW, RELAY, ToShard
 
 ALL = wire.ACKS_ALL
+RELAY_MIN = 256 << 10      # tensor bytes from which a batch of frames is relayed through the
+                           # broker's ring to shards that read shared memory
 
 
 @dataclass(slots=True)
@@ -32,6 +34,7 @@ class Batch:
     epoch: int = 0                 # the partition's epoch when it was sent
     nbytes: int = 0                # its tensor frames' bytes (counted in held_bytes)
     shm: list | None = None        # the refs of its entries whose bytes are in shared memory
+    relay: int = 0                 # the broker's ring holds its message's bytes under this id
 
 
 class Sequencer:
@@ -51,6 +54,10 @@ class Sequencer:
         self.pcount = [0] * partitions      # gradients batched into p since the last rate fold
         self.shm_live: dict[tuple, int] = {}    # push ref -> its entries still reading the ring
         self.freed: list[tuple] = []             # pushes whose ring slots nobody needs any more
+        self.relaying = False                    # the loop has a ring to relay frames through
+        self.relay_ids = 0
+        self.relay_live: dict[int, int] = {}     # relay id -> its batches still in flight
+        self.relays_done: list[int] = []         # relay ids every batch of which is done
 
     def accepting(self) -> bool:
         return self.pending_bytes < self.settings.max_pending_bytes
@@ -67,6 +74,13 @@ class Sequencer:
         self.inflight_bytes -= b.nbytes
         if b.shm:
             self._unref(b.shm)
+        if b.relay:
+            n = self.relay_live[b.relay] - 1
+            if n:
+                self.relay_live[b.relay] = n
+            else:
+                del self.relay_live[b.relay]
+                self.relays_done.append(b.relay)
         return b
 
     def _unref(self, refs) -> None:
@@ -128,20 +142,24 @@ class Sequencer:
                 return False
         return True
 
-    def send_group(self, group: tuple, msg: list, actions: list, refs: bool = False) -> None:
+    def send_group(self, group: tuple, msg: list, actions: list, refs: bool = False,
+                   relay: int = 0) -> None:
         """One BATCH to every live receiver of a replica group; each uses a credit. With
         ``refs`` (tensors in shared memory), a receiver that does not read it gets them inlined:
         as views for an in-sync replica (the batch holds the slots until it applied it), as
-        copies for one catching up (nothing waits for it)."""
+        copies for one catching up (nothing waits for it). With ``relay``, an in-sync replica
+        that reads shared memory gets the frames as references into the broker's ring."""
         shards = self.members.shards
         syncing = group[2]
         for sid in (group[0], *group[1], *syncing):
             sh = shards.get(sid)
             if sh is not None and sh.alive:
                 sh.inflight += 1
-                inline = 0 if not refs else INLINE_COPY if sid in syncing else (
-                    0 if sh.shm else INLINE_VIEW)
-                actions.append(ToShard(sh.identity, msg, inline))
+                if refs:
+                    inline = INLINE_COPY if sid in syncing else 0 if sh.shm else INLINE_VIEW
+                else:
+                    inline = RELAY if relay and sh.shm and sid not in syncing else 0
+                actions.append(ToShard(sh.identity, msg, inline, relay if inline else 0))
 
     def has_flushable(self, replaying) -> bool:
         group = self.table.group
@@ -164,6 +182,7 @@ class Sequencer:
                 continue
             primary, standbys, _ = group
             header_parts, t_list, frames, nbytes, any_refs = [], [], [], 0, False
+            batches = []
             for p in parts:
                 if nbytes >= max_bytes:
                     break
@@ -200,14 +219,24 @@ class Sequencer:
                                      "o": primary, "e": ents})
                 self.pcount[p] += len(ents)
                 self.meters.h_batch.observe(len(ents))
-                self.inflight[(p, self.seq[p])] = Batch(refs, {primary, *standbys},
-                                                        epoch=epochs[p], nbytes=held, shm=shm)
+                batch = Batch(refs, {primary, *standbys}, epoch=epochs[p], nbytes=held, shm=shm)
+                self.inflight[(p, self.seq[p])] = batch
+                batches.append(batch)
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
             if self.log_policy is not None:
                 self.log_policy.append(actions, header_parts, t_list, frames, wall(), now)
             self.meters.counters["batches"] += 1
             self.meters.counters["batched_entries"] += sum(len(x["e"]) for x in header_parts)
-            self.send_group(group, [hdr, *frames], actions, any_refs)
+            relay = 0
+            if (self.relaying and not any_refs and nbytes >= RELAY_MIN
+                    and any(getattr(self.members.shards.get(s), "shm", False)
+                            for s in (primary, *standbys))):
+                self.relay_ids += 1
+                relay = self.relay_ids
+                self.relay_live[relay] = len(batches)
+                for batch in batches:
+                    batch.relay = relay
+            self.send_group(group, [hdr, *frames], actions, any_refs, relay)
 
     def validate_state(self) -> list[str]:
         problems = []
@@ -228,6 +257,12 @@ class Sequencer:
         for b in self.inflight.values():
             for ref in b.shm or ():
                 live[ref] = live.get(ref, 0) + 1
+        relays: dict = {}
+        for b in self.inflight.values():
+            if b.relay:
+                relays[b.relay] = relays.get(b.relay, 0) + 1
+        if relays != self.relay_live:
+            problems.append(f"relays in flight {self.relay_live}, batches hold {relays}")
         if live != self.shm_live:
             problems.append(f"shared-memory refs held {self.shm_live}, entries hold {live}")
         for (p, seq), b in self.inflight.items():

@@ -31,7 +31,7 @@ from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import WireError
 
 from . import log as ulog
-from .actions import AppendLog, Publish, ReadLog, SyncLog, ToClient, ToShard
+from .actions import AppendLog, FreeRelays, Publish, ReadLog, SyncLog, ToClient, ToShard
 from .core import BrokerCore
 from .faults import FaultInjector
 from .flow import ByteCap
@@ -136,9 +136,9 @@ class BrokerServer:
                 match act:
                     case ToClient(identity, frames):
                         self.frontend.send_multipart([identity, *frames], copy=False)
-                    case ToShard(identity, frames, inline):
+                    case ToShard(identity, frames, inline, relay):
                         if inline:
-                            frames = self.shm_io.to_shard(frames, inline)
+                            frames = self.shm_io.to_shard(frames, inline, relay)
                         self.backend.send_multipart([identity, *frames], copy=False)
                     case Publish(frames, refs):
                         self.shm_io.publish(self.events, frames, refs)
@@ -146,6 +146,8 @@ class BrokerServer:
                         self.log.append(parts, *self.shm_io.to_log(t_list, frames), at)
                     case SyncLog():
                         self.log.sync()
+                    case FreeRelays(relays):
+                        self.shm_io.free_relays(relays)
                     case ReadLog(identity, frames):
                         self._do(self._with_log(identity, frames))
                     case _:

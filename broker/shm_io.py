@@ -6,6 +6,10 @@ fan-out.
   broker's shared-memory directory, and says so (REGISTER ``shm``, client HEARTBEAT ``shm``).
 * Inlining: a BATCH for a shard that does not read shared memory, and the update log, get a
   client's ring bytes as frames (:func:`gradbus.codecs.wire.inline_refs`).
+* Relaying, the other way: a BATCH of frames (pushes from clients without shared memory, on
+  other hosts say) goes to a shard that reads it as references into this broker's own ring,
+  one copy here in place of a second TCP hop; the slots are freed when every replica applied
+  the batches (:class:`~.actions.FreeRelays`). A ring with no room sends the frames.
 * Events: a partition's UPDATE goes out on two topics, ``r`` + p for subscribers that read
   shared memory (as the shard sent it: references into its board, or frames) and ``p`` + p for
   the others (board blocks copied out first). Which topics have subscribers is learnt from the
@@ -18,9 +22,12 @@ from __future__ import annotations
 
 import logging
 
+import msgpack
 import zmq
 
 from gradbus.codecs import shm, wire
+
+from .actions import RELAY
 
 log = logging.getLogger("gradbus.broker")
 
@@ -33,6 +40,8 @@ class ShmIO:
         self.cluster = shm.cluster_tag(cluster_url)
         self.mapper = shm.Mapper()
         self.probe: shm.Segment | None = None
+        self.ring: shm.Ring | None = None
+        self.relayed: dict[int, list] = {}      # relay id -> the message as shards get it
         self.subscribed: set[bytes] = set()     # topics some subscriber follows
         self.next_sweep = 0.0
         self.stats = core.meters.counters
@@ -43,14 +52,44 @@ class ShmIO:
                 log.warning("shared memory is off: %s", e)
         if self.probe is not None:
             shm.sweep(self.cluster)
+            shm.sweep(None, roles="b")   # any dead broker's probe and relay ring: only it wrote them
+            core.sequencer.relaying = True     # the ring is made at the first relay
             core.shm = {"cluster": self.cluster, "seg": self.probe.name,
                         "nonce": self.probe.nonce, "host": shm.host_identity()}
 
     # -- sends ---------------------------------------------------------------------------------
-    def to_shard(self, frames: list, inline: int) -> list:
+    def to_shard(self, frames: list, inline: int, relay: int = 0) -> list:
+        if inline == RELAY:
+            return self._relay(frames, relay)
         out = wire.inline_refs(frames, 0, self.mapper, inline == 2)
         self.stats["shm_inlined"] += 1
         return out
+
+    def _relay(self, frames: list, relay: int) -> list:
+        """The message with its tensor frames copied into the ring (once, for every receiver
+        of it), their descriptors referencing the copies; the frames when there is no room."""
+        out = self.relayed.get(relay)
+        if out is not None:
+            return out
+        if self.ring is None:    # at most what the byte cap lets the broker hold anyway
+            self.ring = shm.Ring(self.cluster, self.core.settings.max_pending_bytes, role="b")
+        refs = self.ring.place(relay, frames[1:])
+        if refs is None:
+            out = frames
+        else:
+            h = msgpack.unpackb(frames[0], raw=False)
+            for d, ref in zip(h["t"], refs):
+                d["r"] = ref
+            out = [msgpack.packb(h, use_bin_type=True), *([b""] * len(refs))]
+            self.stats["shm_relayed"] += 1
+        self.relayed[relay] = out
+        return out
+
+    def free_relays(self, relays) -> None:
+        for r in relays:
+            self.relayed.pop(r, None)
+        if self.ring is not None:
+            self.ring.free(relays)
 
     def to_log(self, t_list: list, frames: list) -> tuple[list, list]:
         return wire.inline_descs(t_list, frames, self.mapper)
@@ -102,6 +141,10 @@ class ShmIO:
 
     def close(self) -> None:
         self.mapper.close()
+        self.relayed.clear()
+        if self.ring is not None:
+            self.ring.close()
+            self.ring = None
         if self.probe is not None:
             self.probe.close()
             self.probe = None

@@ -76,6 +76,7 @@ def status(core, now: float) -> dict:
             "draining": sorted(rb.draining),
             "shards": shards, "workers": workers, "tensors": tensors, "tables": tables,
             "shm": core.shm is not None,
+            "shm_relays_in_flight": len(sq.relay_live),
             "pending_bytes": sq.pending_bytes, "held_bytes": sq.held_bytes,
             "counters": dict(m.counters),
             "staleness": {"count": h.count, "p50": h.quantile(0.5), "p99": h.quantile(0.99),

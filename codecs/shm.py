@@ -275,8 +275,9 @@ class Ring:
     """A client's push slots, at most ``cap`` bytes in all, in segments made as needed. Thread
     safe: pushes place from the caller's thread, FREE messages release from the I/O thread."""
 
-    def __init__(self, cluster: str, cap: int, first: int = MIN_RING_SEGMENT):
+    def __init__(self, cluster: str, cap: int, first: int = MIN_RING_SEGMENT, role: str = "w"):
         self.cluster = cluster
+        self.role = role                      # "w", a client's; "b", the broker's relay ring
         self.cap = cap
         self.lock = threading.Lock()
         self.arenas: list[_Arena] = []
@@ -307,7 +308,7 @@ class Ring:
         if self.arenas:
             size = min(size, room)
         try:
-            seg = Segment.create(self.cluster, "w", size)
+            seg = Segment.create(self.cluster, self.role, size)
         except OSError as e:
             self.failed = str(e)
             log.warning("shared memory for pushes is off from now on, pushes go as frames: %s", e)

@@ -213,8 +213,14 @@ class _Proc:
 
 
 def _end(proc: subprocess.Popen) -> None:
+    """Stop a process as an operator would (SIGTERM: it removes what it made, its shared-memory
+    probe included), SIGKILL only if it does not exit."""
     if proc.poll() is None:
-        proc.kill()
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
     proc.wait()
     proc.stdout.close()
 

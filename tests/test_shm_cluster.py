@@ -126,6 +126,31 @@ def test_a_client_without_shm_and_one_with_both_follow_exact_weights(make_cluste
     assert gradbus_segments(shm_dir) == []
 
 
+def test_frames_from_a_client_without_shm_reach_the_shards_through_the_brokers_ring(
+        make_cluster, shm_dir):
+    """Pushes that came as frames (a client on another host, say) go on to shards that read
+    shared memory as references into the broker's own ring: both replicas apply the same
+    bytes, exactly, and the broker frees its slots once both did."""
+    cluster = make_cluster(2, replicas=2)
+    w0 = _w0(1 << 18)                       # 1 MiB: one batch is past the relay threshold
+    g = np.full(w0.shape, G, np.float32)
+    n = 12
+    with gradbus.connect(cluster.url, shm=False) as c:
+        assert c.shm is None
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        c.pull(["w"])
+        _push_n(c, {"w": g}, n, acks="all")
+        assert np.array_equal(c.pull(["w"], min_version=n, timeout=30)["w"], w0 - n * LR * G)
+        counters = _counters(cluster.url)
+        assert counters["shm_relayed"] >= 1 and counters["pushes_applied"] == n
+        assert counters.get("shm_freed", 0) == 0          # no client ring was involved
+        wait_for(lambda: admin.status(cluster.url)["shm_relays_in_flight"] == 0, 20,
+                 "the broker's relay slots freed")
+        _replicas_agree(cluster.url)
+    cluster.stop()
+    assert gradbus_segments(shm_dir) == []
+
+
 def test_a_shard_without_shm_gets_ring_bytes_inlined(monkeypatch, shm_dir):
     cluster = LocalCluster(2, port=0)
     try:

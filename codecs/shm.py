@@ -271,6 +271,21 @@ class _Arena:
         return self.free == [(HEADER, self.seg.size - HEADER)]
 
 
+def _new_arena(holder, role: str, size: int, what: str) -> _Arena | None:
+    """A new segment of ``size`` bytes for ``holder`` (a :class:`Ring` or :class:`Board`);
+    None, with one warning, when the directory has no room: ``what`` goes as frames from then
+    on (``holder.failed`` says why)."""
+    try:
+        seg = Segment.create(holder.cluster, role, size)
+    except OSError as e:
+        holder.failed = str(e)
+        log.warning("shared memory for %s is off from now on, %s go as frames: %s", what, what, e)
+        return None
+    arena = _Arena(seg)
+    holder.arenas.append(arena)
+    return arena
+
+
 class Ring:
     """A client's push slots, at most ``cap`` bytes in all, in segments made as needed. Thread
     safe: pushes place from the caller's thread, FREE messages release from the I/O thread."""
@@ -307,15 +322,7 @@ class Ring:
         size = max(least, MIN_RING_SEGMENT, self.size)
         if self.arenas:
             size = min(size, room)
-        try:
-            seg = Segment.create(self.cluster, self.role, size)
-        except OSError as e:
-            self.failed = str(e)
-            log.warning("shared memory for pushes is off from now on, pushes go as frames: %s", e)
-            return None
-        arena = _Arena(seg)
-        self.arenas.append(arena)
-        return arena
+        return _new_arena(self, self.role, size, "pushes")
 
     def place(self, msg: int, bufs: list) -> list | None:
         """Copy each buffer into a slot of its own, held for ``msg``; returns their refs
@@ -392,15 +399,7 @@ class Board:
     def _grow(self, need: int) -> _Arena | None:
         if self.failed is not None:
             return None
-        try:
-            seg = Segment.create(self.cluster, "s", max(self.segment_bytes, need + HEADER + ALIGN))
-        except OSError as e:
-            self.failed = str(e)
-            log.warning("shared memory for weights is off from now on, they go as frames: %s", e)
-            return None
-        arena = _Arena(seg)
-        self.arenas.append(arena)
-        return arena
+        return _new_arena(self, "s", max(self.segment_bytes, need + HEADER + ALIGN), "weights")
 
     def _slot(self, key: str, n: int):
         slot = self.slots.get(key)

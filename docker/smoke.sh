@@ -112,9 +112,12 @@ import json, sys
 st = json.load(sys.stdin)
 alive = sorted(s[\"id\"] for s in st[\"shards\"] if s[\"alive\"])
 applied = int(st[\"counters\"].get(\"pushes_applied\", 0))
-print(\"  shards alive:\", \" \".join(alive), \" pushes applied:\", applied)
-sys.exit(0 if len(alive) == 3 and applied > 0 else 1)
-"' || fail "gradbus status: want 3 shards alive and pushes applied"
+freed = int(st[\"counters\"].get(\"shm_freed\", 0))
+shm = all(s[\"shm\"] for s in st[\"shards\"] if s[\"alive\"])
+print(\"  shards alive:\", \" \".join(alive), \" pushes applied:\", applied,
+      \" through shared memory:\", freed, \" shards on shared memory:\", shm)
+sys.exit(0 if len(alive) == 3 and applied > 0 and freed > 0 and shm else 1)
+"' || fail "gradbus status: want 3 shards alive, on shared memory, and pushes applied through it"
 
 # 5. each worker's last line: a JSON summary with the demo model's test accuracy
 for w in worker-0 worker-1; do

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 
-import msgpack
 import zmq
 
 from gradbus.codecs import shm, wire
@@ -77,10 +76,7 @@ class ShmIO:
         if refs is None:
             out = frames
         else:
-            h = msgpack.unpackb(frames[0], raw=False)
-            for d, ref in zip(h["t"], refs):
-                d["r"] = ref
-            out = [msgpack.packb(h, use_bin_type=True), *([b""] * len(refs))]
+            out = wire.with_refs(frames, refs)
             self.stats["shm_relayed"] += 1
         self.relayed[relay] = out
         return out

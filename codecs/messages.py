@@ -1,5 +1,6 @@
-"""Typed messages: one slots dataclass per kind, built and checked once when a message is
-unpacked, so handlers read attributes that hold what the protocol says they hold.
+"""Typed messages: one slots dataclass per kind (the replies and events only clients read are in
+:mod:`.replies`, re-exported here), built and checked once when a message is unpacked, so
+handlers read attributes that hold what the protocol says they hold.
 
 :func:`unpack` is :func:`wire.unpack_header` (steps 1-6 of the protocol's validation: size,
 msgpack, version, kind, required fields' types; still the only msgpack unpacker) followed by
@@ -22,10 +23,9 @@ costs four times as much to build).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from . import specs, wire
+from . import replies, specs, wire
 from .errors import Code, WireError
 from .nested import (  # noqa: F401  (re-exported: the nested types handlers match on)
     MAX_SHARD_ID,
@@ -39,6 +39,7 @@ from .nested import (  # noqa: F401  (re-exported: the nested types handlers mat
     StateRows,
     TableInitEntry,
     TableSpec,
+    Tensors,
     TensorSpec,
     applied_part,
     batch_part,
@@ -46,9 +47,24 @@ from .nested import (  # noqa: F401  (re-exported: the nested types handlers mat
     init_tables,
     init_tensors,
     int_list,
+    of_count,
+    opt,
+    opt_int,
     recent,
     state_block,
     str_list,
+)
+from .replies import (  # noqa: E402,F401  (re-exported: every kind's class is here)
+    AdminReply,
+    CatalogReply,
+    CheckpointReply,
+    DigestReply,
+    InitOk,
+    RowsReply,
+    SnapshotReply,
+    StatusReply,
+    Table,
+    Welcome,
 )
 
 
@@ -61,26 +77,9 @@ class FieldError(WireError):
         self.ids = ids
 
 
-def _opt(v, t):
-    return v if type(v) is t else None
-
-
-def _opt_int(v, lo: int = 0):
-    return v if type(v) is int and v >= lo else None
-
-
-class _Tensors:
-    """For kinds that carry tensor frames: ``t``, the descriptors as sent."""
-    __slots__ = ()
-
-    def descs(self, frames, max_tensor_bytes: int = wire.MAX_TENSOR_BYTES) -> list:
-        """The descriptors checked against ``frames`` (steps 7-9)."""
-        return wire.parse_descs(self.kind, self.t, frames, max_tensor_bytes)
-
-
 # ------------------------------------------------------------------ hot path
 @dataclass(slots=True)
-class Push(_Tensors):
+class Push(Tensors):
     kind = wire.PUSH
     msg: int
     acks: int            # 0, 1 or ACKS_ALL
@@ -107,7 +106,7 @@ class Free:
 
 
 @dataclass(slots=True)
-class Batch(_Tensors):
+class Batch(Tensors):
     kind = wire.BATCH
     parts: list          # BatchPart
     t: list
@@ -138,7 +137,7 @@ class Applied:
 
 
 @dataclass(slots=True)
-class Update(_Tensors):
+class Update(Tensors):
     kind = wire.UPDATE
     p: int
     seq: int
@@ -154,7 +153,7 @@ class Hello:
 
 
 @dataclass(frozen=True, slots=True)
-class Init(_Tensors):
+class Init(Tensors):
     kind = wire.INIT
     msg: int
     opt: dict                 # the optimizer, checked, as sent (forwarded in init entries)
@@ -298,7 +297,7 @@ class StateReq:
 
 
 @dataclass(frozen=True, slots=True)
-class State(_Tensors):
+class State(Tensors):
     kind = wire.STATE
     p: int
     to: str
@@ -322,109 +321,6 @@ class Drop:
     ps: tuple                 # entries that are not ints are left out
 
 
-# ------------------------------------------------------------------ replies
-@dataclass(frozen=True, slots=True)
-class Welcome:
-    kind = wire.WELCOME
-    events: int
-    backend: int
-    partitions: int
-    down: tuple
-    hb: float | None          # the broker's heartbeat interval, when usable
-    shm: dict | None          # the broker's shared-memory offer (checked by shm.accept)
-
-
-@dataclass(frozen=True, slots=True)
-class InitOk:
-    kind = wire.INIT_OK
-    msg: int
-    created: tuple
-    existing: tuple
-    header: dict
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotReply(_Tensors):
-    kind = wire.SNAPSHOT_REPLY
-    req: int
-    parts: tuple              # (p, seq)
-    missing: tuple
-    client: bytes | None
-    of: int
-    t: list
-
-
-@dataclass(frozen=True, slots=True)
-class RowsReply(_Tensors):
-    kind = wire.ROWS_REPLY
-    req: int
-    missing: tuple
-    tv: int | None
-    client: bytes | None
-    of: int
-    t: list
-
-
-@dataclass(frozen=True, slots=True)
-class CatalogReply:
-    kind = wire.CATALOG_REPLY
-    req: int
-    tensors: list
-    tables: list
-    header: dict
-
-
-@dataclass(frozen=True, slots=True)
-class StatusReply:
-    kind = wire.STATUS_REPLY
-    req: int
-    status: dict
-    header: dict
-
-
-@dataclass(frozen=True, slots=True)
-class DigestReply:
-    kind = wire.DIGEST_REPLY
-    req: int
-    shard: str
-    parts: tuple              # (p, seq, digest)
-    client: bytes | None
-    of: int
-    header: dict
-
-
-@dataclass(frozen=True, slots=True)
-class CheckpointReply:
-    kind = wire.CHECKPOINT_REPLY
-    req: int
-    shard: str
-    path: str | None
-    time: float | None
-    partitions: int | None
-    error: str | None
-    client: bytes | None
-    of: int
-    header: dict
-
-
-@dataclass(frozen=True, slots=True)
-class AdminReply:
-    kind = wire.ADMIN_REPLY
-    req: int
-    result: dict
-    header: dict
-
-
-@dataclass(frozen=True, slots=True)
-class Table:
-    kind = wire.TABLE
-    version: int
-    owners: tuple
-    standbys: tuple | None
-    epochs: tuple | None
-    down: tuple
-
-
 # ------------------------------------------------------------------ builders
 _ALL = wire.ACKS_ALL
 _EMPTY: list = []      # never written to
@@ -436,11 +332,6 @@ def _fail(h: dict, e: WireError):
     kind, message = h["kind"], str(e.args[0])
     raise FieldError(e.code, message if message.startswith(kind) else f"{kind}: {message}",
                      ids) from None
-
-
-def _of(h) -> int:
-    of = h.get("of", 1)
-    return of if type(of) is int and of >= 1 else 1
 
 
 def _push(h, P):
@@ -474,7 +365,7 @@ def _batch(h, P):
 
 
 def _applied(h, P):
-    return Applied([applied_part(x, P) for x in h["parts"]], _opt(h.get("shard"), str))
+    return Applied([applied_part(x, P) for x in h["parts"]], opt(h.get("shard"), str))
 
 
 def _update(h, P):
@@ -500,7 +391,7 @@ def _init(h, P):
 
 def _snapshot(h, P):
     return Snapshot(h["req"], str_list(h["keys"], "snapshot", "keys"),
-                    _opt(h.get("client"), bytes), _opt_int(h.get("of"), 1))
+                    opt(h.get("client"), bytes), opt_int(h.get("of"), 1))
 
 
 def _rows(h, P):
@@ -509,8 +400,8 @@ def _rows(h, P):
         if (type(x) is list and len(x) == 2 and type(x[0]) is int and type(x[1]) is bytes
                 and not len(x[1]) % 8 and (0 <= x[0] < P if P else x[0] >= 0)):
             good.append((x[0], x[1]))
-    return Rows(h["req"], h["table"], tuple(good), len(q) - len(good), _opt(h.get("min"), int),
-                _opt(h.get("tv"), int), _opt(h.get("client"), bytes), _opt_int(h.get("of"), 1))
+    return Rows(h["req"], h["table"], tuple(good), len(q) - len(good), opt(h.get("min"), int),
+                opt(h.get("tv"), int), opt(h.get("client"), bytes), opt_int(h.get("of"), 1))
 
 
 def _ps(h, P):
@@ -519,12 +410,12 @@ def _ps(h, P):
 
 
 def _digest(h, P):
-    return Digest(h["req"], _ps(h, P), _opt(h.get("client"), bytes), _opt_int(h.get("of"), 1))
+    return Digest(h["req"], _ps(h, P), opt(h.get("client"), bytes), opt_int(h.get("of"), 1))
 
 
 def _checkpoint(h, P):
-    return Checkpoint(h["req"], _ps(h, P), _opt(h.get("client"), bytes),
-                      _opt_int(h.get("of"), 1))
+    return Checkpoint(h["req"], _ps(h, P), opt(h.get("client"), bytes),
+                      opt_int(h.get("of"), 1))
 
 
 def _catalog(h, P):
@@ -538,7 +429,7 @@ def _catalog(h, P):
 def _admin(h, P):
     if h["op"] not in ADMIN_OPS:
         raise WireError(Code.BAD_FIELD, f"admin: unknown op {h['op']!r}")
-    return Admin(h["req"], h["op"], _opt(h.get("shard"), str))
+    return Admin(h["req"], h["op"], opt(h.get("shard"), str))
 
 
 def _heartbeat(h, P):
@@ -549,12 +440,12 @@ def _heartbeat(h, P):
     if type(tv) is not dict or not all(type(k) is str and type(v) is int
                                        for k, v in tv.items()):
         tv = None
-    return Heartbeat(_opt(h.get("info"), dict), None if ps is None else tuple(ps),
-                     None if seqs is None else tuple(seqs), tv, _opt(h.get("shm"), bool))
+    return Heartbeat(opt(h.get("info"), dict), None if ps is None else tuple(ps),
+                     None if seqs is None else tuple(seqs), tv, opt(h.get("shm"), bool))
 
 
 def _error(h, P):
-    return Error(h["code"], h["message"], _opt(h.get("msg"), int), _opt(h.get("req"), int), h)
+    return Error(h["code"], h["message"], opt(h.get("msg"), int), opt(h.get("req"), int), h)
 
 
 def _register(h, P):
@@ -583,7 +474,7 @@ def _register(h, P):
 
 
 def _registered(h, P):
-    return Registered(h["shard"], _opt_int(h.get("partitions"), 1), h.get("shm") is True)
+    return Registered(h["shard"], opt_int(h.get("partitions"), 1), h.get("shm") is True)
 
 
 def _p(h, P) -> int:
@@ -602,65 +493,10 @@ def _state(h, P):
                  h.get("t", []))
 
 
-def _welcome(h, P):
-    for name in ("events", "backend", "partitions"):
-        if not 1 <= h[name] <= 65535:
-            raise WireError(Code.BAD_FIELD, f"welcome: {name} {h[name]} is not in 1..65535")
-    down, hb = h.get("down"), h.get("hb")
-    ok_hb = type(hb) in (int, float) and math.isfinite(hb) and hb > 0
-    return Welcome(h["events"], h["backend"], h["partitions"],
-                   tuple(down) if type(down) is list and all(type(x) is int for x in down)
-                   else (), float(hb) if ok_hb else None, _opt(h.get("shm"), dict))
-
-
-def _snapshot_reply(h, P):
-    parts = h["parts"]
-    if not all(type(x) is list and len(x) == 2 and type(x[0]) is int and type(x[1]) is int
-               for x in parts):
-        raise WireError(Code.BAD_FIELD, "snapshot_reply: parts must be [[partition, seq], ...]")
-    missing = h.get("missing")
-    return SnapshotReply(h["req"], tuple((p, s) for p, s in parts),
-                         str_list(missing, "snapshot_reply", "missing") if missing else (),
-                         _opt(h.get("client"), bytes), _of(h), h.get("t", []))
-
-
-def _rows_reply(h, P):
-    missing = h.get("missing")
-    return RowsReply(h["req"], int_list(missing, "rows_reply", "missing") if missing else (),
-                     _opt(h.get("tv"), int), _opt(h.get("client"), bytes), _of(h),
-                     h.get("t", []))
-
-
-def _digest_reply(h, P):
-    parts = h["parts"]
-    if not all(type(x) is list and len(x) == 3 and type(x[0]) is int and type(x[1]) is int
-               and type(x[2]) is str for x in parts):
-        raise WireError(Code.BAD_FIELD, "digest_reply: parts must be [[p, seq, digest], ...]")
-    return DigestReply(h["req"], h["shard"], tuple(tuple(x) for x in parts),
-                       _opt(h.get("client"), bytes), _of(h), h)
-
-
-def _checkpoint_reply(h, P):
-    t = h.get("time")
-    return CheckpointReply(h["req"], h["shard"], _opt(h.get("path"), str),
-                           float(t) if type(t) in (int, float) else None,
-                           _opt(h.get("partitions"), int), _opt(h.get("error"), str),
-                           _opt(h.get("client"), bytes), _of(h), h)
-
-
-def _table(h, P):
-    standbys, epochs, down = h.get("standbys"), h.get("epochs"), h.get("down")
-    return Table(h["version"], str_list(h["owners"], "table", "owners"),
-                 tuple(tuple(s) for s in standbys) if type(standbys) is list and all(
-                     type(s) is list for s in standbys) else None,
-                 tuple(epochs) if type(epochs) is list and all(type(e) is int for e in epochs)
-                 else None,
-                 tuple(x for x in down if type(x) is int) if type(down) is list else ())
-
-
 _BUILD = {
     wire.PUSH: _push, wire.ACK: _ack, wire.BATCH: _batch,
-    wire.FREE: lambda h, P: Free(tuple(m for m in h["msgs"] if type(m) is int)), wire.APPLIED: _applied,
+    wire.FREE: lambda h, P: Free(tuple(m for m in h["msgs"] if type(m) is int)),
+    wire.APPLIED: _applied,
     wire.UPDATE: _update, wire.HELLO: lambda h, P: Hello(h["role"]), wire.INIT: _init,
     wire.SNAPSHOT: _snapshot, wire.ROWS: _rows, wire.CATALOG: _catalog,
     wire.STATUS: lambda h, P: Status(h["req"], h.get("table") is True),
@@ -671,16 +507,7 @@ _BUILD = {
     wire.STATE_REQ: lambda h, P: StateReq(_p(h, P), h["to"]), wire.STATE: _state,
     wire.SYNCED: lambda h, P: Synced(_p(h, P), h["seq"]),
     wire.DROP: lambda h, P: Drop(tuple(p for p in h["ps"] if type(p) is int)),
-    wire.WELCOME: _welcome,
-    wire.INIT_OK: lambda h, P: InitOk(h["msg"], str_list(h["created"], "init_ok", "created"),
-                                      str_list(h["existing"], "init_ok", "existing"), h),
-    wire.SNAPSHOT_REPLY: _snapshot_reply, wire.ROWS_REPLY: _rows_reply,
-    wire.CATALOG_REPLY: lambda h, P: CatalogReply(h["req"], h["tensors"],
-                                                  _opt(h.get("tables"), list) or [], h),
-    wire.STATUS_REPLY: lambda h, P: StatusReply(h["req"], h["status"], h),
-    wire.DIGEST_REPLY: _digest_reply, wire.CHECKPOINT_REPLY: _checkpoint_reply,
-    wire.ADMIN_REPLY: lambda h, P: AdminReply(h["req"], h["result"], h),
-    wire.TABLE: _table,
+    **replies.BUILD,
 }
 assert _BUILD.keys() == wire.SCHEMA.keys()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import specs, tensor
+from . import specs, tensor, wire
 from .errors import Code, WireError
 from .partition import MAX_NAME_LEN, TensorLayout, split_key, split_row_key
 
@@ -404,3 +404,29 @@ def recent(v) -> tuple:
     return tuple(tuple(r) for r in v if type(r) is list and len(r) == 3
                  and (r[0] is None or type(r[0]) is bytes) and type(r[1]) is int
                  and type(r[2]) is str)
+
+
+# ------------------------------------------------------------------ shared by the kinds
+def opt(v, t):
+    """``v`` when it has exactly type ``t``, else None (an optional field of the wrong type)."""
+    return v if type(v) is t else None
+
+
+def opt_int(v, lo: int = 0):
+    """``v`` when it is an int of at least ``lo``, else None."""
+    return v if type(v) is int and v >= lo else None
+
+
+class Tensors:
+    """For kinds that carry tensor frames: ``t``, the descriptors as sent."""
+    __slots__ = ()
+
+    def descs(self, frames, max_tensor_bytes: int = wire.MAX_TENSOR_BYTES) -> list:
+        """The descriptors checked against ``frames`` (steps 7-9)."""
+        return wire.parse_descs(self.kind, self.t, frames, max_tensor_bytes)
+
+
+def of_count(h) -> int:
+    """A fanned-out reply's ``of`` (how many replies make the answer), 1 when unusable."""
+    of = h.get("of", 1)
+    return of if type(of) is int and of >= 1 else 1

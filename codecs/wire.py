@@ -477,6 +477,16 @@ def inline_refs(frames: list, at: int, mapper, copy: bool) -> list | None:
     return out
 
 
+def with_refs(frames: list, refs: list) -> list:
+    """A message (header first) whose tensor frames now lie in shared memory at ``refs``
+    (one ``[segment, offset]`` per frame): the header with each descriptor's ``r`` set, then
+    empty frames (a relay's BATCH)."""
+    h = msgpack.unpackb(frames[0], raw=False)
+    for d, ref in zip(h["t"], refs):
+        d["r"] = ref
+    return [msgpack.packb(h, use_bin_type=True), *([b""] * len(refs))]
+
+
 def inline_descs(t_list: list, frames: list, mapper) -> tuple[list, list]:
     """Descriptors and frames with ring bytes in the frames, for the update log."""
     if not any("r" in d for d in t_list):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import zmq
 
-from gradbus.cluster import LocalCluster
+from gradbus.cluster import LocalCluster, end_processes
 from gradbus.codecs import net, security, shm
 from gradbus.shards import checkpoint
 
@@ -237,13 +237,7 @@ def refusing_broker(tmp_path):
         assert line.startswith("listening: "), line
         yield line.split(" ", 1)[1], outsider, str(keys / "broker.key")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
+        end_processes([proc], 10)
 
 
 # ---- shared memory ------------------------------------------------------------------------

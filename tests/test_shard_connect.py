@@ -23,7 +23,7 @@ import threading
 import pytest
 import zmq
 
-from gradbus.cluster import STOP_GRACE
+from gradbus.cluster import STOP_GRACE, end_processes
 from gradbus.codecs import security, wire
 from gradbus.shards.registration import Connect, Phase, Registration
 
@@ -215,14 +215,7 @@ class _Proc:
 def _end(proc: subprocess.Popen) -> None:
     """Stop a process as an operator would (SIGTERM: it removes what it made, its shared-memory
     probe included), SIGKILL only if it does not exit."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    proc.wait()
-    proc.stdout.close()
+    end_processes([proc], 20)
 
 
 def _closed_port() -> int:

@@ -122,13 +122,14 @@ class Segment:
     """One mapped segment. ``create`` makes and owns it (``unlink`` removes the name);
     ``open`` maps a peer's read-only."""
 
-    __slots__ = ("name", "path", "size", "mm", "view", "words", "nonce", "owner")
+    __slots__ = ("name", "path", "size", "mm", "view", "words", "nonce", "owner", "address")
 
     def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool):
         self.name, self.path, self.mm, self.owner = name, path, mm, owner
         self.size = len(mm)
         self.view = memoryview(mm)
         self.words = np.frombuffer(mm, np.uint64) if owner else None   # aligned 8-byte stores
+        self.address = self.words.ctypes.data if owner else 0          # where byte 0 is mapped
         self.nonce = bytes(self.view[8:24])
 
     @classmethod
@@ -297,6 +298,8 @@ class Ring:
         self.lock = threading.Lock()
         self.arenas: list[_Arena] = []
         self.held: dict[int, list] = {}       # msg -> [(arena, offset, n)]
+        self.loose: dict[int, tuple] = {}     # token -> (arena, offset, n): reserved, no push yet
+        self._tokens = itertools.count(1)
         self.failed: str | None = None        # why the ring stopped making segments
         self.stats = collections.Counter()
         self._grow(first)                      # the first segment is also the probe
@@ -330,22 +333,12 @@ class Ring:
         with self.lock:
             got = []
             for buf in bufs:
-                n = memoryview(buf).nbytes
-                slot = None
-                for arena in self.arenas:
-                    off = arena.alloc(n)
-                    if off is not None:
-                        slot = (arena, off, n)
-                        break
+                slot = self._alloc(memoryview(buf).nbytes)
                 if slot is None:
-                    arena = self._grow(n)
-                    off = arena.alloc(n) if arena is not None else None
-                    if off is None:
-                        for a, o, m in got:
-                            a.release(o, m)
-                        self.stats["shm_ring_full"] += 1
-                        return None
-                    slot = (arena, off, n)
+                    for a, o, m in got:
+                        a.release(o, m)
+                    self.stats["shm_ring_full"] += 1
+                    return None
                 got.append(slot)
             self.held[msg] = got
         refs = []
@@ -354,6 +347,50 @@ class Ring:
                 arena.seg.view[off:off + n] = memoryview(buf).cast("B")
             refs.append([arena.seg.name, off])
         return refs
+
+    def address(self, name: str, off: int) -> int:
+        """The address in this process of byte ``off`` of segment ``name`` (one of the ring's)."""
+        for arena in self.arenas:
+            if arena.seg.name == name:
+                return arena.seg.address + off
+        raise KeyError(name)
+
+    def bind(self, msg: int, tokens) -> None:
+        """Hold reserved slots (their tokens) for push ``msg`` from now on: FREE of ``msg``
+        releases them with its other slots."""
+        with self.lock:
+            slots = [self.loose.pop(t) for t in tokens]
+            self.held.setdefault(msg, []).extend(slots)
+
+    def _alloc(self, n: int):
+        for arena in self.arenas:
+            off = arena.alloc(n)
+            if off is not None:
+                return arena, off, n
+        arena = self._grow(n)
+        off = arena.alloc(n) if arena is not None else None
+        return None if off is None else (arena, off, n)
+
+    def reserve(self, n: int) -> tuple | None:
+        """A slot of ``n`` bytes not yet bound to a push (a gradient buffer the caller writes
+        in place): ``(segment, offset, token)``, or None when the ring has no room. It is held
+        until :meth:`place` binds it to a push or :meth:`unreserve` gives it back."""
+        with self.lock:
+            slot = self._alloc(n)
+            if slot is None:
+                self.stats["shm_ring_full"] += 1
+                return None
+            token = next(self._tokens)
+            self.loose[token] = slot
+        return slot[0].seg, slot[1], token
+
+    def unreserve(self, token: int) -> bool:
+        """Give back a reserved slot that no push took (a token already bound is ignored)."""
+        with self.lock:
+            slot = self.loose.pop(token, None)
+            if slot is not None:
+                slot[0].release(slot[1], slot[2])
+        return slot is not None
 
     def free(self, msgs) -> int:
         """Release the slots of these pushes (ids not held are ignored); returns how many."""
@@ -373,6 +410,7 @@ class Ring:
                 arena.seg.close()
             self.arenas = []
             self.held.clear()
+            self.loose.clear()
 
 
 class Board:
@@ -489,20 +527,36 @@ class Mapper:
     def copy(self, ref, n: int) -> bytearray | None:
         """The ``n`` bytes a board ref names, copied out whole, or None when the block was
         rewritten meanwhile (the reader fell two publishes behind)."""
+        got = self._board_span(ref, n)
+        if got is None:
+            return None
+        out = bytearray(got[0])
+        return out if self._stamped(ref, got[1]) else None
+
+    def copy_into(self, ref, out: memoryview) -> bool:
+        """Copy the ``out.nbytes`` bytes a board ref names into ``out`` (a writable byte
+        view); False, ``out`` then holding nothing of use, when the block was rewritten
+        before it was read whole."""
+        got = self._board_span(ref, out.nbytes)
+        if got is None:
+            return False
+        out[:] = got[0]
+        return self._stamped(ref, got[1])
+
+    def _board_span(self, ref, n: int):
+        """``(bytes, segment)`` of a board ref whose stamp still holds, else None."""
         seg = self.segment(ref[0])
-        stamp = ref[2]
         off = ref[1]
-        if stamp == 0:       # no version is stamped 0
+        if ref[2] == 0:       # no version is stamped 0
             return None
         if off - ALIGN < HEADER:
             raise WireError(Code.BAD_FIELD, f"segment {seg.name}: offset {off} is no board slot")
         src = seg.span(off, n)
-        if _U64.unpack_from(seg.view, off - ALIGN)[0] != stamp:
-            return None
-        out = bytearray(src)
-        if _U64.unpack_from(seg.view, off - ALIGN)[0] != stamp:
-            return None
-        return out
+        return (src, seg) if self._stamped(ref, seg) else None
+
+    @staticmethod
+    def _stamped(ref, seg) -> bool:
+        return _U64.unpack_from(seg.view, ref[1] - ALIGN)[0] == ref[2]
 
     def close(self) -> None:
         with self.lock:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from gradbus.codecs import messages, timing, wire
 from gradbus.codecs.errors import Code, WireError, error_from
 
-from .commands import ReadRows, Request, SendMessage, Stop, Track
+from .commands import ReadRows, Refresh, Request, SendMessage, Stop, Track
 from .resend import ResendTimer
 
 log = logging.getLogger("gradbus.client")
@@ -114,6 +114,11 @@ class AgentState:
                 self._snapshot(keys, cmd.future)
             else:
                 cmd.future.set_result(None)
+        elif t is Refresh:
+            with self.cond:
+                parts = self.cache.resync(cmd.keys)
+            for p in parts:
+                self._snapshot(self.cache.resync_keys(p), None)
         elif t is Stop:
             self.stopped = True
         else:
@@ -365,10 +370,15 @@ class AgentState:
         if part is None:
             return
         tensors = frames[2:]
-        if self.shm is not None and not self.shm.resolve(h, tensors):
+        held = self.shm.board_blocks(h.t, tensors, self.max_tensor_bytes) \
+            if self.shm is not None else None
+        if held is not None:       # left in the boards, read when a pull needs them
+            blocks = [(d.key, b, d.version or 0, None) for d, b in held if d.key in part.keys]
+        elif self.shm is not None and not self.shm.resolve(h, tensors):
             self.stats["shm_torn"] += 1     # rewritten before it was read: the gap re-snapshots
             return
-        blocks = self._blocks(h, tensors, part.keys)
+        else:
+            blocks = self._blocks(h, tensors, part.keys)
         with self.cond:
             gap = self.cache.on_update(h.p, h.seq, blocks)
             self.cond.notify_all()

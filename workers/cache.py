@@ -4,6 +4,12 @@ It follows the Clone pattern: subscribe to a partition, then snapshot it at seq 
 seq <= S are dropped, S+1, S+2 ... apply in order, and a gap (seq > last+1) asks for a fresh
 snapshot of the partition. Blocks are immutable read-only arrays, replaced, never written, so a
 reader holding one never sees it change.
+
+A block a shard published into its weights board on this host may be held as a
+:class:`BoardBlock`, a reference to where its bytes are: they are copied once, when a pull
+reads the tensor, straight into the array it returns (not once per update and again to join
+the blocks). A tensor read whose blocks did not change since the last read is the same array
+again.
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import TensorLayout, partition_of
 
 UPDATE_BUFFER = 256  # updates kept per partition while its snapshot is in flight
@@ -28,9 +35,36 @@ class Part:
     pending: dict = field(default_factory=dict)
 
 
+class BoardBlock:
+    """A block's bytes in a shard's weights board (a ref ``[segment, offset, stamp]``), read
+    through ``mapper`` (a :class:`gradbus.codecs.shm.Mapper`) only when needed."""
+
+    __slots__ = ("mapper", "ref", "dtype", "size")
+    ndim = 1
+
+    def __init__(self, mapper, ref, dtype, size: int):
+        self.mapper, self.ref, self.dtype, self.size = mapper, ref, np.dtype(dtype), size
+
+    @property
+    def shape(self) -> tuple:
+        return (self.size,)
+
+    def read_into(self, out: np.ndarray) -> bool:
+        """Copy the block into ``out`` (flat, contiguous, of its size); False when the
+        shard rewrote it twice since (a newer update is on its way) or its board is gone."""
+        try:
+            return self.mapper.copy_into(self.ref, memoryview(out).cast("B"))
+        except WireError:
+            return False
+
+    def read(self) -> np.ndarray | None:
+        out = np.empty(self.size, self.dtype)
+        return _frozen(out) if self.read_into(out) else None
+
+
 @dataclass
 class Block:
-    value: np.ndarray
+    value: np.ndarray | BoardBlock
     version: int
     seq: int
     pub: int | None = None     # delta weights: the publish seq this value corresponds to
@@ -43,7 +77,9 @@ class WeightCache:
         self.blocks: dict[str, Block] = {}
         self.parts: dict[int, Part] = {}
         self.down: set[int] = set()
-        self.stats = {"updates": 0, "stale_updates": 0, "gaps": 0, "snapshots": 0}
+        self.stats = {"updates": 0, "stale_updates": 0, "gaps": 0, "snapshots": 0,
+                      "board_reads": 0, "board_rewritten": 0}
+        self.joined: dict[str, np.ndarray] = {}   # name -> its last read, while no block changed
 
     # -- tracking ------------------------------------------------------------------------
     def track(self, layout: TensorLayout) -> tuple[list[int], list[str]]:
@@ -87,6 +123,7 @@ class WeightCache:
             cur = self.blocks.get(key)
             if cur is None or seq >= cur.seq:
                 self.blocks[key] = Block(_frozen(arr), ver, seq, base)
+                self.joined.pop(key.rpartition("/")[0], None)
         again = []
         for p, seq in parts.items():
             part = self.parts.get(int(p))
@@ -125,12 +162,13 @@ class WeightCache:
                 # a delta: it applies only onto the value published at ``base``
                 if key in part.pending or cur is None or seq <= cur.seq:
                     continue
-                if cur.pub != base or cur.value.shape != arr.shape:
+                value = cur.value.read() if type(cur.value) is BoardBlock else cur.value
+                if cur.pub != base or value is None or value.shape != arr.shape:
                     self.stats["gaps"] += 1
                     part.resync = True
                     part.buffered = []
                     return True
-                new[key] = Block(_frozen(cur.value + arr), ver, seq, seq)
+                new[key] = Block(_frozen(value + arr), ver, seq, seq)
                 continue
             if key in part.pending:
                 held = part.pending[key]
@@ -142,6 +180,8 @@ class WeightCache:
         part.last_seq = seq
         self.stats["updates"] += 1
         self.blocks.update(new)
+        for key in new:
+            self.joined.pop(key.rpartition("/")[0], None)
         return False
 
     def on_heartbeat(self, ps, seqs) -> list[int]:
@@ -157,6 +197,18 @@ class WeightCache:
                 behind.append(p)
         return behind
 
+    def resync(self, keys) -> list[int]:
+        """Put the partitions of these keys in resync (their blocks are snapshot again);
+        returns those that were in sync."""
+        out = []
+        for key in keys:
+            part = self.parts.get(partition_of(key, self.P))
+            if part is not None and not part.resync:
+                part.resync = True
+                part.buffered = []
+                out.append(part.p)
+        return out
+
     def resync_keys(self, p: int) -> list[str]:
         return sorted(self.parts[p].keys)
 
@@ -166,13 +218,41 @@ class WeightCache:
         vs = [self.blocks[k].version for k in layout.block_keys() if k in self.blocks]
         return min(vs) if len(vs) == layout.nblocks else -1
 
-    def tensor(self, name: str) -> np.ndarray:
+    def tensor(self, name: str) -> np.ndarray | None:
+        """The tensor's weights as one read-only array (never changed after), or None when a
+        block in a board was rewritten before it was read (:meth:`stale_keys` says which:
+        the update that rewrote it is on its way)."""
         layout = self.layouts[name]
         keys = layout.block_keys()
-        if len(keys) == 1:
-            return self.blocks[keys[0]].value.reshape(layout.shape)
-        out = np.concatenate([self.blocks[k].value for k in keys]).reshape(layout.shape)
-        out.flags.writeable = False
+        joined = self.joined.get(name)
+        if joined is not None:
+            return joined               # no block changed since the last read
+        held = [self.blocks[k] for k in keys]
+        if len(held) == 1 and type(held[0].value) is not BoardBlock:
+            out = held[0].value.reshape(layout.shape)
+        else:
+            flat = np.empty(layout.size, layout.dtype)
+            for i, blk in enumerate(held):
+                a, b = layout.block_range(i)
+                if type(blk.value) is not BoardBlock:
+                    flat[a:b] = blk.value
+                    continue
+                self.stats["board_reads"] += 1
+                if not blk.value.read_into(flat[a:b]):
+                    self.stats["board_rewritten"] += 1
+                    return None
+            flat.flags.writeable = False
+            out = flat.reshape(layout.shape)
+        self.joined[name] = out
+        return out
+
+    def stale_keys(self, name: str) -> list[str]:
+        """The tensor's blocks whose board bytes are no longer the version held."""
+        out = []
+        for k in self.layouts[name].block_keys():
+            v = self.blocks[k].value
+            if type(v) is BoardBlock and v.read() is None:
+                out.append(k)
         return out
 
     def unavailable(self, name: str) -> set[int]:
@@ -194,13 +274,18 @@ class WeightCache:
             assert part.resync or not part.buffered, f"partition {p}: buffered while in sync"
             assert part.last_seq >= -1
         for key, block in self.blocks.items():
-            assert not block.value.flags.writeable and block.value.ndim == 1, key
+            v = block.value
+            assert type(v) is BoardBlock or not v.flags.writeable, key
+            assert v.ndim == 1, key
             assert block.pub is None or block.pub <= block.seq, (key, block.pub, block.seq)
         assert all(v >= 0 for v in self.stats.values()), self.stats
         assert all(0 <= p < self.P for p in self.down)
+        assert self.joined.keys() <= self.layouts.keys(), "a read of a tensor not followed"
 
 
-def _frozen(arr: np.ndarray) -> np.ndarray:
+def _frozen(arr):
+    if type(arr) is BoardBlock:
+        return arr
     a = arr.reshape(-1)
     if a.flags.writeable:
         a = a.view()

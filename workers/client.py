@@ -41,7 +41,7 @@ from gradbus.codecs.partition import DEFAULT_BLOCK_BYTES, TensorLayout, block_el
 from .agent import Agent
 from .agent_state import AgentState
 from .cache import WeightCache
-from .commands import Request, SendMessage, Stop, Track
+from .commands import Refresh, Request, SendMessage, Stop, Track
 from .credit import CreditWindow
 from .pipeline import PushPipeline
 from .resend import RESEND_AFTER, RESEND_MAX, ResendTimer
@@ -54,6 +54,7 @@ log = logging.getLogger("gradbus.client")
 DEFAULT_WINDOW = 32          # unacknowledged pushes per client ...
 DEFAULT_WINDOW_BYTES = 128 << 20   # ... and their bytes (one push may exceed it, alone)
 DEFAULT_TIMEOUT = 30.0       # seconds for init/pull/flush round trips
+REWRITTEN_WAIT = 0.5        # seconds a pull waits for the update of a rewritten board block
 
 
 class Client(TableMethods):
@@ -113,6 +114,7 @@ class Client(TableMethods):
         self.versions = Versions()
         self._closed = False
         self._tables: dict[str, dict] = {}           # table name -> its settings (from the broker)
+        self._rewritten: dict[str, float] = {}       # name -> since when a pull could not read it
         self.ctx = zmq.Context()
         try:
             welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure,
@@ -282,6 +284,7 @@ class Client(TableMethods):
                 raise ValueError(f"{name}: gradient shape {arr.shape} does not match "
                                  f"{layout.shape}")
             flats[name] = arr.astype(layout.dtype, copy=False).reshape(-1)
+        own = self.shm.in_place(grads, flats, chain, accumulating) if self.shm else {}
         cache = self.cache
         version = self.versions.push_version(
             list(grads), version, lambda n: cache.version(n) if cache.tracked(n) else 0)
@@ -296,22 +299,51 @@ class Client(TableMethods):
             except BaseException:
                 self.pipeline.hold_back(flats, counts, chain, acks)   # not sent: keep the sums
                 raise
-        return self._send_push(flats, layouts, chain, acks, version, timeout)
+        for name in own:
+            grads[name].flags.writeable = False     # its bytes are the push's from now on
+        try:
+            return self._send_push(flats, layouts, chain, acks, version, timeout, own=own)
+        except BaseException:
+            for name in own:
+                if self.shm.reserved(flats[name]) is not None:   # not taken: still the caller's
+                    grads[name].flags.writeable = True
+            raise
+
+    def gradient_buffer(self, name: str) -> np.ndarray:
+        """A writable array of tensor ``name``'s shape and dtype to compute the next gradient
+        into, for a push that copies nothing.
+
+        Where this client pushes through shared memory, the array lives in its push ring: a
+        raw push of it sends references to where it is. Its contents start undefined (write
+        every element). Once pushed it is read-only and no longer the caller's (the ring reuses
+        the memory after every replica applied it): take a new one for each step. Pushed with
+        another codec or while accumulating, or on a client without shared memory (or with a
+        full ring), it is an ordinary array, encoded or copied as any other; one dropped
+        without a push gives its memory back."""
+        self._check_open()
+        layout = self._layouts([name])[name]
+        buf = self.shm.gradient_buffer(layout.shape, layout.dtype) if self.shm is not None \
+            else None
+        if buf is None:
+            return np.empty(layout.shape, layout.dtype)
+        self.stats["gradient_buffers"] += 1
+        return buf
 
     def _send_push(self, flats: dict, layouts: dict, chain: str, acks: int,
                    version: int | None, timeout: float | None,
-                   counts: dict | None = None) -> Future:
+                   counts: dict | None = None, own: dict | None = None) -> Future:
         descs, bufs, residuals = self.pipeline.encode(flats, layouts, chain, counts,
                                                       detach=self.shm is None)
         extra = {"ver": int(version)} if version is not None else {}
-        fut = self._submit_push(descs, bufs, acks, timeout, extra)
+        fut = self._submit_push(descs, bufs, acks, timeout, extra, own)
         self.pipeline.commit(residuals)    # only now is the push really on its way
         self.stats["push_raw_bytes"] += sum(f.nbytes for f in flats.values())
         return fut
 
     def _submit_push(self, descs: list, bufs: list, acks: int, timeout: float | None,
-                     extra: dict) -> Future:
-        """Take credit for an encoded push and hand it to the agent; returns its Future."""
+                     extra: dict, own: dict | None = None) -> Future:
+        """Take credit for an encoded push and hand it to the agent; returns its Future.
+        ``own``: gradient buffers it sends in place (name -> reservation)."""
         nbytes = sum(d["n"] for d in descs)
         msg = self.credit.take(nbytes, self.timeout if timeout is None else timeout,
                                self._ids.__next__, self._check_open, self.stats)
@@ -320,7 +352,7 @@ class Client(TableMethods):
             with self._lock:
                 self._check_open()
                 if self.shm is not None:
-                    bufs = self.shm.place(msg, descs, bufs)
+                    bufs = self.shm.place(msg, descs, bufs, list(own.values()) if own else ())
                 frames = [wire.pack(wire.PUSH, descs, msg=msg, acks=acks, **extra), *bufs]
                 self.agent.submit(SendMessage(msg, frames, fut if acks else None))
         except BaseException:
@@ -391,9 +423,13 @@ class Client(TableMethods):
                 if ready and all(self.cache.version(n) >= self.versions.needed(n, min_version)
                                  for n in names):
                     out = {n: self.cache.tensor(n) for n in names}
-                    for n in names:
-                        self.versions.pulled[n] = self.cache.version(n)
-                    return out
+                    if all(v is not None for v in out.values()):
+                        for n in names:
+                            self.versions.pulled[n] = self.cache.version(n)
+                        return out
+                    # a block was rewritten in its board since its update: the newer update
+                    # is on its way; should it not come, the block is snapshot again
+                    self._refresh_rewritten(names, out)
                 if self.state.broker_silent:
                     raise BrokerUnavailableError(
                         f"the broker at {self.url} has been silent for over "
@@ -409,6 +445,22 @@ class Client(TableMethods):
                     raise TimeoutError(f"weights not at version {min_version} after "
                                        f"{timeout}s (have {have})")
                 self._cond.wait(min(left, 0.1))
+
+    def _refresh_rewritten(self, names: list, got: dict) -> None:
+        """Some of ``names`` could not be read (``got[n]`` None): a block's board bytes were
+        rewritten since the update that named them. The newer update is on its way; once one
+        has been awaited for ``REWRITTEN_WAIT`` the blocks are snapshot again. Called under
+        the condition."""
+        now = time.monotonic()
+        for n in names:
+            if got[n] is not None:
+                self._rewritten.pop(n, None)
+                continue
+            since = self._rewritten.setdefault(n, now)
+            if now - since >= REWRITTEN_WAIT:
+                del self._rewritten[n]
+                self.stats["board_refreshes"] += 1
+                self.agent.submit(Refresh(self.cache.stale_keys(n)))
 
     @property
     def broker_alive(self) -> bool:

@@ -44,9 +44,17 @@ class Track:
 
 
 @dataclass(frozen=True, slots=True)
+class Refresh:
+    """Snapshot these blocks again: their bytes in a board were rewritten and no newer update
+    came in time."""
+    keys: list
+    future: None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """End the agent thread."""
     future: None = None
 
 
-Command = SendMessage | Request | ReadRows | Track | Stop
+Command = SendMessage | Request | ReadRows | Track | Refresh | Stop

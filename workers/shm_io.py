@@ -9,9 +9,15 @@ shared memory does.
 """
 from __future__ import annotations
 
+import threading
+import weakref
+
 import numpy as np
 
 from gradbus.codecs import shm, wire
+from gradbus.codecs import tensor as tcodec
+
+from .cache import BoardBlock
 
 RING_SLACK = 1.5     # ring bytes per byte of credit window: slots wait for FREE after the ACK
 
@@ -21,6 +27,83 @@ class ClientShm:
         self.cluster = cluster
         self.ring = shm.Ring(cluster, int(window_bytes * RING_SLACK) + shm.MIN_RING_SEGMENT)
         self.mapper = shm.Mapper()
+        self.lock = threading.Lock()
+        self.buffers: dict[int, tuple] = {}    # address -> (token, bytes, segment, offset)
+
+    # -- gradient buffers ------------------------------------------------------------------------
+    def gradient_buffer(self, shape: tuple, dtype) -> np.ndarray | None:
+        """A writable array in a reserved ring slot, or None when the ring has no room. An
+        array dropped without being pushed gives its slot back."""
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        got = self.ring.reserve(count * dtype.itemsize)
+        if got is None:
+            return None
+        seg, off, token = got
+        whole = np.frombuffer(seg.mm, dtype, count, off)
+        addr = whole.ctypes.data
+        with self.lock:
+            self.buffers[addr] = (token, whole.nbytes, seg.name, off)
+        # on the array every view of the buffer has as its base: the slot outlives them all
+        weakref.finalize(whole, self._dropped, addr, token)
+        return whole.reshape(shape)
+
+    def in_place(self, grads: dict, flats: dict, chain: str, accumulating: bool) -> dict:
+        """The gradient buffers among ``grads`` (``flats``: the same, flat) that a push
+        sends where they are (raw, not accumulated): name -> reservation. A buffer pushed
+        before is refused: its memory may hold another push's bytes by now."""
+        own = {}
+        for name, flat in flats.items():
+            ent = self.reserved(flat)
+            if ent is None:
+                if self.in_ring(flat):
+                    raise ValueError(f"{name}: this gradient buffer was pushed already; take "
+                                     f"a new one with gradient_buffer() for each push")
+            elif chain == "raw" and not accumulating:
+                own[name] = ent
+        return own
+
+    def reserved(self, flat: np.ndarray) -> tuple | None:
+        """The reservation ``flat`` is the whole of (a gradient buffer, not yet pushed)."""
+        if not isinstance(flat, np.ndarray) or not flat.flags.c_contiguous:
+            return None
+        with self.lock:
+            ent = self.buffers.get(flat.ctypes.data)
+        return ent if ent is not None and ent[1] == flat.nbytes else None
+
+    def in_ring(self, arr: np.ndarray) -> bool:
+        """Whether ``arr``'s memory lies in this client's ring (a spent gradient buffer)."""
+        if not isinstance(arr, np.ndarray) or not arr.size:
+            return False
+        addr = arr.__array_interface__["data"][0]
+        return any(a.seg.address <= addr < a.seg.address + a.seg.size
+                   for a in list(self.ring.arenas))
+
+    def _dropped(self, addr: int, token: int) -> None:
+        with self.lock:
+            ent = self.buffers.get(addr)
+            if ent is not None and ent[0] == token:
+                del self.buffers[addr]
+        self.ring.unreserve(token)
+
+    def _spend(self, ents) -> None:
+        """These buffers are pushed: no longer the caller's to push again."""
+        with self.lock:
+            for ent in ents:
+                addr = next((a for a, e in self.buffers.items() if e is ent), None)
+                if addr is not None:
+                    del self.buffers[addr]
+
+    def _in_place(self, buf, ents):
+        """The ref of ``buf`` when it lies inside one of the reservations ``ents``."""
+        if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
+            return None
+        addr = buf.ctypes.data
+        for _token, n, seg, off in ents:
+            base = self.ring.address(seg, off)
+            if base <= addr and addr + buf.nbytes <= base + n:
+                return [seg, off + addr - base]
+        return None
 
     @classmethod
     def offered(cls, welcome: dict, wanted: bool, window_bytes: int) -> ClientShm | None:
@@ -35,19 +118,52 @@ class ClientShm:
         except OSError:      # no room even for the first segment: logged, frames then
             return None
 
-    def place(self, msg: int, descs: list, bufs: list) -> list:
+    def place(self, msg: int, descs: list, bufs: list, own=()) -> list:
         """The frames of push ``msg``: empty where its bytes went into the ring (its
-        descriptors then carry the refs), the buffers themselves when the ring is full."""
-        refs = self.ring.place(msg, bufs)
+        descriptors then carry the refs), the buffers themselves when the ring is full.
+        ``own``: reservations (:meth:`reserved`) whose bytes are sent where they are, copied
+        nowhere; they are held for ``msg`` from now on."""
+        inplace = {}
+        if own:
+            for i, b in enumerate(bufs):
+                ref = self._in_place(b, own)
+                if ref is not None:
+                    inplace[i] = ref
+        refs = self.ring.place(msg, [b for i, b in enumerate(bufs) if i not in inplace])
+        if own:
+            self._spend(own)
         if refs is None:     # frames after all: never the caller's own memory (not detached)
+            for ent in own:
+                self.ring.unreserve(ent[0])
             return [b.copy() if isinstance(b, np.ndarray) and not b.flags.owndata else b
                     for b in bufs]
-        for d, ref in zip(descs, refs):
-            d["r"] = ref
+        if own:
+            self.ring.bind(msg, [ent[0] for ent in own])
+        copied = iter(refs)
+        for i, d in enumerate(descs):
+            d["r"] = inplace[i] if i in inplace else next(copied)
+        self.ring.stats["in_place_blocks"] += len(inplace)
         return [b""] * len(bufs)
 
     def free(self, msgs) -> int:
         return self.ring.free(msgs)
+
+    def board_blocks(self, t, frames: list, max_tensor_bytes: int) -> list | None:
+        """An UPDATE's blocks as ``(desc, BoardBlock)``, their bytes left in the shard's
+        board until a pull reads them, when every one of them is raw there (else None: the
+        update is read now, as frames or copies). A malformed descriptor raises WireError."""
+        if not t or type(t) is not list or len(t) != len(frames):
+            return None
+        out = []
+        for d, f in zip(t, frames):
+            if (type(d) is not dict or d.get("c") != "raw" or "base" in d
+                    or type(d.get("r")) is not list or len(d["r"]) != 3 or wire.frame_len(f)):
+                return None
+            desc = wire.parse_desc(d, max_tensor_bytes)   # raw: n is the shape's bytes
+            size = desc.nbytes // tcodec.DTYPES[desc.dtype].itemsize
+            out.append((desc, BoardBlock(self.mapper, desc.ref, tcodec.DTYPES[desc.dtype],
+                                         size)))
+        return out
 
     def resolve(self, h, frames: list) -> bool:
         """An UPDATE's board blocks copied into its frames; False when one was rewritten

@@ -1,0 +1,275 @@
+"""Pushes that copy nothing: gradient buffers that live in the client's push ring
+(``Client.gradient_buffer``), through a real broker and shard processes; and pulls that copy
+weights once, out of the shards' boards into the array returned.
+
+A raw push of a gradient buffer sends references to where the buffer is: no other ring slot
+is taken for it and the shards apply exactly what was written there. The operator's and the
+framework's mistakes are covered: pushing a buffer twice, writing to one after its push,
+dropping one unpushed, a full ring, another codec, a client without shared memory."""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import gradbus
+from gradbus.codecs import shm
+from gradbus.codecs.partition import TensorLayout, partition_of
+from gradbus.workers.cache import BoardBlock, WeightCache
+
+from .rigs import gradbus_segments, wait_for
+
+pytestmark = pytest.mark.usefixtures("shm_dir")
+
+LR = 0.25      # powers of two: every intermediate result is exact
+BLOCK = 4096
+
+
+def _free_bytes(ring) -> int:
+    return sum(length for a in ring.arenas for _, length in a.free)
+
+
+def _settled(client) -> None:
+    """Every slot of this client's ring is back: nothing held, nothing reserved."""
+    ring = client.shm.ring
+    wait_for(lambda: not ring.held, 20, "every push's slots freed")
+    assert not ring.loose
+    assert _free_bytes(ring) == sum(a.seg.size - 64 for a in ring.arenas)
+
+
+def test_a_raw_push_of_a_gradient_buffer_is_referenced_in_place(make_cluster, shm_dir):
+    cluster = make_cluster(1)
+    w0 = (np.arange(40_000) % 97).astype(np.float32).reshape(200, 200)
+    n = 8
+    with gradbus.connect(cluster.url, block_bytes=BLOCK) as c:
+        assert c.shm is not None
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        c.pull(["w"])
+        ring = c.shm.ring
+        copied = []
+        place = ring.place
+        ring.place = lambda msg, bufs: copied.append(sum(memoryview(b).nbytes for b in bufs)) \
+            or place(msg, bufs)
+        expect = w0.copy()
+        for i in range(n):
+            buf = c.gradient_buffer("w")
+            assert buf.shape == w0.shape and buf.dtype == w0.dtype and buf.flags.writeable
+            assert c.shm.in_ring(buf)
+            g = np.float32(0.5 * (i + 1))
+            buf[...] = g
+            before = _free_bytes(ring)
+            assert c.push({"w": buf}).result(30)["kind"] == "ack"
+            # no slot was taken for the push beyond the buffer itself (it may be freed by now)
+            assert _free_bytes(ring) >= before
+            assert not buf.flags.writeable
+            with pytest.raises(ValueError, match="read-only"):
+                buf[0, 0] = 1.0
+            expect = expect - LR * g
+        assert ring.stats["in_place_blocks"] == n * -(-w0.nbytes // BLOCK)
+        assert copied == [0] * n                  # nothing was copied into another slot
+        got = c.pull(["w"], min_version=n, timeout=30)["w"]
+        assert np.array_equal(got, expect)
+        _settled(c)
+    cluster.stop()
+    assert gradbus_segments(shm_dir) == []
+
+
+def test_a_pushed_buffer_cannot_be_pushed_again(make_cluster):
+    cluster = make_cluster(1)
+    w0 = np.zeros(5000, np.float32)
+    with gradbus.connect(cluster.url, block_bytes=BLOCK) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        buf = c.gradient_buffer("w")
+        buf[:] = 1.0
+        c.push({"w": buf}).result(30)
+        with pytest.raises(ValueError, match="pushed already"):
+            c.push({"w": buf})
+        with pytest.raises(ValueError, match="pushed already"):
+            c.push({"w": buf}, codec="bf16")    # whatever the codec: its bytes are not the caller's
+        got = c.pull(["w"], min_version=1, timeout=30)["w"]
+        assert np.array_equal(got, np.full(5000, -LR, np.float32))
+        assert c.version("w") == 1
+        _settled(c)
+    cluster.stop()
+
+
+def test_an_unpushed_buffer_gives_its_slot_back_when_dropped(make_cluster):
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url, block_bytes=BLOCK) as c:
+        c.init({"w": np.zeros(10_000, np.float32)}, optimizer=gradbus.SGD(lr=LR))
+        ring = c.shm.ring
+        whole = _free_bytes(ring)
+        bufs = [c.gradient_buffer("w") for _ in range(5)]
+        assert len(ring.loose) == 5 and _free_bytes(ring) <= whole - 5 * 40_000
+        view = bufs[0][10:20]             # a view keeps its buffer's slot
+        del bufs
+        gc.collect()
+        assert len(ring.loose) == 1
+        del view
+        gc.collect()
+        assert not ring.loose and _free_bytes(ring) == whole
+    cluster.stop()
+
+
+def test_another_codec_or_accumulation_encodes_the_buffer_and_leaves_it_the_callers(
+        make_cluster):
+    cluster = make_cluster(1)
+    w0 = np.zeros(6000, np.float32)
+    with gradbus.connect(cluster.url, block_bytes=BLOCK) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        buf = c.gradient_buffer("w")
+        buf[:] = 0.5                                  # exact in bf16
+        for _ in range(3):                            # the same buffer, reused: still the caller's
+            c.push({"w": buf}, codec="bf16").result(30)
+            assert buf.flags.writeable
+        c.accumulate(every=2)
+        c.push({"w": buf})
+        c.push({"w": buf}).result(30)
+        assert buf.flags.writeable
+        assert c.shm.ring.stats["in_place_blocks"] == 0
+        c.accumulate(every=1)
+        buf[:] = 1.0
+        c.push({"w": buf}).result(30)                 # raw at last: in place
+        assert not buf.flags.writeable
+        got = c.pull(["w"], min_version=6, timeout=30)["w"]
+        assert np.array_equal(got, np.full(6000, -LR * (5 * 0.5 + 1.0), np.float32))
+        _settled(c)
+    cluster.stop()
+
+
+def test_a_client_without_shm_or_with_a_full_ring_gets_ordinary_arrays(make_cluster):
+    cluster = make_cluster(1)
+    w0 = np.zeros(1 << 20, np.float32)                # 4 MiB a buffer
+    with gradbus.connect(cluster.url, shm=False) as a:
+        a.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        buf = a.gradient_buffer("w")
+        assert buf.shape == w0.shape and buf.flags.owndata
+        buf[:] = 1.0
+        a.push({"w": buf}).result(30)
+        assert buf.flags.writeable                    # copied as any array: still the caller's
+    with gradbus.connect(cluster.url) as c:
+        ring = c.shm.ring
+        held = []
+        for _ in range(200):                          # the ring's cap is bounded: it runs out
+            buf = c.gradient_buffer("w")
+            if not c.shm.in_ring(buf):
+                break
+            held.append(buf)
+        else:
+            pytest.fail("the ring never ran out")
+        assert ring.size <= ring.cap and ring.stats["shm_ring_full"] >= 1
+        assert buf.flags.owndata and buf.flags.writeable
+        buf[:] = 1.0
+        c.push({"w": buf}).result(30)                 # an ordinary push: as frames (ring full)
+        held[0][:] = 1.0
+        c.push({"w": held[0]}).result(30)             # a reserved one still goes in place
+        assert ring.stats["in_place_blocks"] > 0
+        got = c.pull(["w"], min_version=3, timeout=30)["w"]
+        assert np.array_equal(got, np.full(w0.shape, -3 * LR, np.float32))
+        del held, buf
+        gc.collect()
+        _settled(c)
+    cluster.stop()
+
+
+# ----------------------------------------------------------------------------- pulls from boards
+def _board_cache(board, n=8, block=2, P=4):
+    """A cache following tensor "w" of ``n`` floats whose blocks are in ``board``, snapshot
+    at seq 0, and a function that publishes every block's next value, returning its update."""
+    cache = WeightCache(P)
+    layout = TensorLayout("w", "float32", (n,), block)
+    cache.track(layout)
+    keys = layout.block_keys()
+    cache.on_snapshot({partition_of(k, P): 0 for k in keys},
+                      [(k, np.zeros(block, np.float32), 0, None) for k in keys])
+    mapper = shm.Mapper()
+    seqs = {}
+
+    def publish(value: float) -> dict:
+        """p -> [(key, BoardBlock, version, None)] of one publish of every block."""
+        out = {}
+        for k in keys:
+            p = partition_of(k, P)
+            ref = board.write(k, np.full(block, value, np.float32))
+            out.setdefault(p, []).append((k, BoardBlock(mapper, ref, np.float32, block),
+                                          int(value), None))
+        return out
+
+    def apply(updates: dict) -> None:
+        for p, blocks in updates.items():
+            seqs[p] = seqs.get(p, 0) + 1
+            assert not cache.on_update(p, seqs[p], blocks)
+            cache.validate_state()
+
+    return cache, publish, apply, mapper
+
+
+def test_a_pull_reads_board_blocks_once_into_the_array_it_returns():
+    board = shm.Board("00c0ffee", segment_bytes=1 << 20)
+    cache, publish, apply, mapper = _board_cache(board)
+    try:
+        apply(publish(1.0))
+        first = cache.tensor("w")
+        assert np.array_equal(first, np.full(8, 1.0, np.float32)) and not first.flags.writeable
+        assert cache.stats["board_reads"] == 4
+        assert cache.tensor("w") is first                  # unchanged: the same array again
+        assert cache.stats["board_reads"] == 4
+        apply(publish(2.0))
+        apply(publish(3.0))                                # two publishes before the next read
+        second = cache.tensor("w")
+        assert np.array_equal(second, np.full(8, 3.0, np.float32))
+        assert np.array_equal(first, np.full(8, 1.0, np.float32))   # a read never changes
+        assert cache.stats["board_reads"] == 8
+    finally:
+        mapper.close()
+        board.close()
+
+
+def test_a_block_rewritten_before_the_read_waits_for_its_update():
+    board = shm.Board("00c0ffee", segment_bytes=1 << 20)
+    cache, publish, apply, mapper = _board_cache(board)
+    try:
+        apply(publish(1.0))
+        publish(2.0)
+        later = publish(3.0)         # the block's both versions rewritten: 1.0 is gone
+        assert cache.tensor("w") is None
+        assert cache.stats["board_rewritten"] == 1
+        assert sorted(cache.stale_keys("w")) == sorted(cache.layouts["w"].block_keys())
+        apply(later)                  # (2.0's update was lost: the seqs do not say so here)
+        assert np.array_equal(cache.tensor("w"), np.full(8, 3.0, np.float32))
+        assert cache.stale_keys("w") == []
+        # a board gone altogether (its shard stopped) reads as rewritten, never as garbage
+        stale = publish(4.0)
+        apply(stale)
+        board.close()
+        mapper.close()
+        assert cache.tensor("w") is None
+    finally:
+        mapper.close()
+        board.close()
+
+
+def test_a_pull_whose_board_block_never_gets_its_update_snapshots_it_again(make_cluster):
+    """A block whose board bytes were rewritten (here: a ref forged to a stamp no longer
+    there) and whose newer update never comes is snapshot again after REWRITTEN_WAIT."""
+    cluster = make_cluster(1)
+    w0 = (np.arange(6000) % 31).astype(np.float32)
+    with gradbus.connect(cluster.url, block_bytes=BLOCK) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        c.pull(["w"])
+        c.push({"w": np.ones(6000, np.float32)}).result(30)
+        expect = w0 - LR
+        assert np.array_equal(c.pull(["w"], min_version=1, timeout=30)["w"], expect)
+        with c._cond:
+            key, blk = next((k, b) for k, b in c.cache.blocks.items()
+                            if type(b.value) is BoardBlock)
+            v = blk.value
+            blk.value = BoardBlock(v.mapper, [v.ref[0], v.ref[1], v.ref[2] + 1000], v.dtype,
+                                   v.size)
+            c.cache.joined.clear()
+        got = c.pull(["w"], timeout=30)["w"]
+        assert np.array_equal(got, expect)
+        assert c.stats["board_refreshes"] == 1
+        assert type(c.cache.blocks[key].value) is np.ndarray      # the snapshot's bytes
+    cluster.stop()

@@ -273,3 +273,22 @@ def test_a_pull_whose_board_block_never_gets_its_update_snapshots_it_again(make_
         assert c.stats["board_refreshes"] == 1
         assert type(c.cache.blocks[key].value) is np.ndarray      # the snapshot's bytes
     cluster.stop()
+
+
+def test_a_joined_tensor_of_blocks_held_as_bytes_is_kept_only_while_the_caller_holds_it():
+    cache = WeightCache(4)
+    layout = TensorLayout("w", "float32", (8,), 2)
+    cache.track(layout)
+    keys = layout.block_keys()
+    cache.on_snapshot({partition_of(k, 4): 0 for k in keys},
+                      [(k, np.full(2, i, np.float32), 0, None) for i, k in enumerate(keys)])
+    first = cache.tensor("w")
+    assert np.array_equal(first, np.repeat(np.arange(4, dtype=np.float32), 2))
+    assert cache.tensor("w") is first
+    del first
+    gc.collect()
+    assert cache.joined["w"]() is None          # the cache did not keep a second copy
+    again = cache.tensor("w")
+    assert np.array_equal(again, np.repeat(np.arange(4, dtype=np.float32), 2))
+    assert not again.flags.writeable
+    cache.validate_state()

@@ -9,10 +9,12 @@ A block a shard published into its weights board on this host may be held as a
 :class:`BoardBlock`, a reference to where its bytes are: they are copied once, when a pull
 reads the tensor, straight into the array it returns (not once per update and again to join
 the blocks). A tensor read whose blocks did not change since the last read is the same array
-again.
+again (kept by the cache where the blocks are board references, else only while the caller
+holds it).
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,7 +81,9 @@ class WeightCache:
         self.down: set[int] = set()
         self.stats = {"updates": 0, "stale_updates": 0, "gaps": 0, "snapshots": 0,
                       "board_reads": 0, "board_rewritten": 0}
-        self.joined: dict[str, np.ndarray] = {}   # name -> its last read, while no block changed
+        # name -> its last read while no block changed (a weakref where its blocks hold the
+        # bytes as well: not kept for nobody)
+        self.joined: dict[str, np.ndarray | weakref.ref] = {}
 
     # -- tracking ------------------------------------------------------------------------
     def track(self, layout: TensorLayout) -> tuple[list[int], list[str]]:
@@ -225,12 +229,15 @@ class WeightCache:
         layout = self.layouts[name]
         keys = layout.block_keys()
         joined = self.joined.get(name)
+        if type(joined) is weakref.ref:
+            joined = joined()
         if joined is not None:
             return joined               # no block changed since the last read
         held = [self.blocks[k] for k in keys]
         if len(held) == 1 and type(held[0].value) is not BoardBlock:
             out = held[0].value.reshape(layout.shape)
         else:
+            boards = False
             flat = np.empty(layout.size, layout.dtype)
             for i, blk in enumerate(held):
                 a, b = layout.block_range(i)
@@ -238,11 +245,15 @@ class WeightCache:
                     flat[a:b] = blk.value
                     continue
                 self.stats["board_reads"] += 1
+                boards = True
                 if not blk.value.read_into(flat[a:b]):
                     self.stats["board_rewritten"] += 1
                     return None
             flat.flags.writeable = False
             out = flat.reshape(layout.shape)
+            if not boards:    # its blocks hold the bytes too: kept only while the caller does
+                self.joined[name] = weakref.ref(out)
+                return out
         self.joined[name] = out
         return out
 

@@ -50,14 +50,17 @@ class ParameterServerModule(torch.nn.Module):
     * Buffers (BatchNorm running statistics, ...) are not parameters and are not shared: each
       worker keeps its own.
     * CPU tensors: gradients go to the SDK as ``.numpy()`` views (no copy in the adapter), and
-      weights are copied once, from the cache straight into the parameters.
+      weights are copied once, from the cache (or from the shards' boards, on one host)
+      straight into the parameters' memory (``pull(out=...)``).
     * CUDA tensors, with CuPy installed: each gradient is handed to the SDK as a CuPy view of
       the same device memory (DLPack, no copy); the SDK selects, casts or quantizes it on the
       GPU (``codecs/device.py``), so only the compressed bytes cross to the host, and keeps the
       error-feedback residual on the GPU. Local accumulation on, or no CuPy: the gradient is
       copied to a pinned host buffer (reused from step to step) and encoded on the host. Weights are copied from the
       host cache to the device.
-    * Not thread-safe: one thread drives a ``ParameterServerModule``.
+    * Not thread-safe: one thread drives a ``ParameterServerModule``. Load weights
+      (:meth:`sync`, :meth:`step`) after a backward, not between a forward and its backward:
+      the parameters' memory is written in place.
     """
 
     def __init__(self, module: torch.nn.Module, client: Client, *,
@@ -118,7 +121,10 @@ class ParameterServerModule(torch.nn.Module):
         if min_version is not None:
             self.client.pull(self._trainable, min_version=min_version, timeout=timeout)
             versions.update({k: max(versions[k], min_version) for k in self._trainable})
-        self._load(self.client.pull(list(self._keys.values()), timeout=timeout), versions)
+        into = {self._keys[n]: p.detach().numpy() for n, p in self._params.items()
+                if p.device.type == "cpu" and p.is_contiguous()}
+        self._load(self.client.pull(list(self._keys.values()), timeout=timeout, out=into),
+                   versions, set(into))
         return self.version
 
     # -- internals ------------------------------------------------------------------------
@@ -153,10 +159,14 @@ class ParameterServerModule(torch.nn.Module):
             torch.cuda.current_stream(dev).synchronize()
         return out
 
-    def _load(self, weights: dict[str, np.ndarray], versions: dict[str, int]) -> None:
+    def _load(self, weights: dict[str, np.ndarray], versions: dict[str, int],
+              loaded=frozenset()) -> None:
+        """Copy ``weights`` into the parameters, but for the keys ``loaded`` already (the
+        pull copied them straight into the parameters' memory)."""
         with torch.no_grad():
             for name, p in self._params.items():
-                p.copy_(_as_tensor(weights[self._keys[name]]).reshape(p.shape))
+                if self._keys[name] not in loaded:
+                    p.copy_(_as_tensor(weights[self._keys[name]]).reshape(p.shape))
         self.version = min(versions[k] for k in self._trainable or versions)
 
 

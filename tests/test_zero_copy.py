@@ -292,3 +292,34 @@ def test_a_joined_tensor_of_blocks_held_as_bytes_is_kept_only_while_the_caller_h
     assert np.array_equal(again, np.repeat(np.arange(4, dtype=np.float32), 2))
     assert not again.flags.writeable
     cache.validate_state()
+
+
+@pytest.mark.parametrize("shm_on", [True, False], ids=["boards", "frames"])
+def test_a_pull_into_the_callers_arrays_copies_there_once(make_cluster, shm_on):
+    cluster = make_cluster(1)
+    w0 = (np.arange(9000) % 17).astype(np.float32).reshape(90, 100)
+    b0 = np.arange(3, dtype=np.float64)
+    with gradbus.connect(cluster.url, block_bytes=BLOCK, shm=shm_on) as c:
+        assert (c.shm is not None) == shm_on
+        c.init({"w": w0, "b": b0}, optimizer=gradbus.SGD(lr=LR))
+        w, b = np.empty((90, 100), np.float32), np.empty(3, np.float64)
+        got = c.pull(out={"w": w, "b": b})          # the names of out: the tensors pulled
+        assert got["w"] is w and got["b"] is b
+        assert np.array_equal(w, w0) and np.array_equal(b, b0)
+        c.push({"w": np.ones_like(w0), "b": np.ones_like(b0)}).result(30)
+        flat = np.empty(9000, np.float32)            # another shape of the same size is fine
+        got = c.pull(["w", "b"], min_version=1, timeout=30, out={"w": flat})
+        assert got["w"] is flat and np.array_equal(flat, (w0 - LR).reshape(-1))
+        assert np.array_equal(got["b"], b0 - LR) and not got["b"].flags.writeable
+        assert np.array_equal(w, w0)                 # an earlier pull's array is not touched
+        for bad in (np.empty(9000, np.float64), np.empty(8999, np.float32),
+                    np.empty((100, 90), np.float32).T, w0[::1].copy().view()[::2]):
+            with pytest.raises(ValueError, match="out"):
+                c.pull(["w"], out={"w": bad})
+        ro = np.empty(9000, np.float32)
+        ro.flags.writeable = False
+        with pytest.raises(ValueError, match="writable"):
+            c.pull(["w"], out={"w": ro})
+        with pytest.raises(ValueError, match="not pulled"):
+            c.pull(["b"], out={"w": flat})
+    cluster.stop()

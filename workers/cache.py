@@ -226,36 +226,56 @@ class WeightCache:
         """The tensor's weights as one read-only array (never changed after), or None when a
         block in a board was rewritten before it was read (:meth:`stale_keys` says which:
         the update that rewrote it is on its way)."""
-        layout = self.layouts[name]
-        keys = layout.block_keys()
-        joined = self.joined.get(name)
-        if type(joined) is weakref.ref:
-            joined = joined()
+        joined = self._joined(name)
         if joined is not None:
             return joined               # no block changed since the last read
-        held = [self.blocks[k] for k in keys]
+        layout = self.layouts[name]
+        held = [self.blocks[k] for k in layout.block_keys()]
         if len(held) == 1 and type(held[0].value) is not BoardBlock:
             out = held[0].value.reshape(layout.shape)
-        else:
-            boards = False
-            flat = np.empty(layout.size, layout.dtype)
-            for i, blk in enumerate(held):
-                a, b = layout.block_range(i)
-                if type(blk.value) is not BoardBlock:
-                    flat[a:b] = blk.value
-                    continue
-                self.stats["board_reads"] += 1
-                boards = True
-                if not blk.value.read_into(flat[a:b]):
-                    self.stats["board_rewritten"] += 1
-                    return None
-            flat.flags.writeable = False
-            out = flat.reshape(layout.shape)
-            if not boards:    # its blocks hold the bytes too: kept only while the caller does
-                self.joined[name] = weakref.ref(out)
-                return out
-        self.joined[name] = out
+            self.joined[name] = out
+            return out
+        flat = np.empty(layout.size, layout.dtype)
+        boards = self._fill(held, layout, flat)
+        if boards is None:
+            return None
+        flat.flags.writeable = False
+        out = flat.reshape(layout.shape)
+        # where its blocks hold the bytes too, kept only while the caller does
+        self.joined[name] = out if boards else weakref.ref(out)
         return out
+
+    def read_into(self, name: str, out: np.ndarray) -> bool:
+        """Copy the tensor's weights into ``out`` (writable, C-contiguous, of its dtype and
+        size); False as :meth:`tensor` returns None."""
+        flat = out.reshape(-1)
+        joined = self._joined(name)
+        if joined is not None:
+            np.copyto(flat, joined.reshape(-1))
+            return True
+        layout = self.layouts[name]
+        return self._fill([self.blocks[k] for k in layout.block_keys()], layout, flat) \
+            is not None
+
+    def _joined(self, name: str) -> np.ndarray | None:
+        joined = self.joined.get(name)
+        return joined() if type(joined) is weakref.ref else joined
+
+    def _fill(self, held: list, layout: TensorLayout, flat: np.ndarray) -> bool | None:
+        """Copy the blocks ``held`` into ``flat``; whether one was read from a board, or
+        None when one there was rewritten."""
+        boards = False
+        for i, blk in enumerate(held):
+            a, b = layout.block_range(i)
+            if type(blk.value) is not BoardBlock:
+                flat[a:b] = blk.value
+                continue
+            self.stats["board_reads"] += 1
+            boards = True
+            if not blk.value.read_into(flat[a:b]):
+                self.stats["board_rewritten"] += 1
+                return None
+        return boards
 
     def stale_keys(self, name: str) -> list[str]:
         """The tensor's blocks whose board bytes are no longer the version held."""

@@ -393,22 +393,36 @@ class Client(TableMethods):
                 "ratio": (raw / wire_b) if wire_b else None, **self.pipeline.stats()}
 
     def pull(self, keys=None, min_version: int | None = None,
-             timeout: float | None = None) -> dict[str, np.ndarray]:
+             timeout: float | None = None, out: dict | None = None) -> dict[str, np.ndarray]:
         """The freshest local weights, at once. Tensors not yet followed are fetched first
         (subscribe, then snapshot). With ``min_version``, waits until every requested tensor has
-        at least that many gradients applied. Arrays are read-only and never change."""
+        at least that many gradients applied. Arrays are read-only and never change.
+        ``out``: name -> a writable array of the tensor's dtype and size (C-contiguous) that
+        the weights are copied into, and returned in place of a new one (keys default to its
+        names)."""
         self._check_open()
         timeout = self.timeout if timeout is None else timeout
         if isinstance(keys, str):
             keys = [keys]
+        if keys is None and out:
+            keys = list(out)
         if keys is None:
             keys = list(self.cache.layouts)
             if not keys:
                 keys = [t["name"] for t in self._request(wire.CATALOG)["tensors"]]
         names = list(keys)
+        out = out or {}
+        if not out.keys() <= set(names):
+            raise ValueError(f"out names tensors not pulled: {sorted(out.keys() - set(names))}")
         todo = [n for n in names if not self.cache.tracked(n)]
+        layouts = self._layouts(todo + [n for n in out if n not in todo])
+        for n, a in out.items():
+            if (not isinstance(a, np.ndarray) or not a.flags.writeable
+                    or not a.flags.c_contiguous or a.dtype != layouts[n].dtype
+                    or a.size != layouts[n].size):
+                raise ValueError(f"out[{n!r}] must be a writable C-contiguous {layouts[n].dtype} "
+                                 f"array of {layouts[n].size} elements")
         if todo:
-            layouts = self._layouts(todo)
             fut: Future = Future()
             with self._lock:
                 self._check_open()
@@ -422,14 +436,15 @@ class Client(TableMethods):
                 ready = all(self.cache.tracked(n) for n in names)
                 if ready and all(self.cache.version(n) >= self.versions.needed(n, min_version)
                                  for n in names):
-                    out = {n: self.cache.tensor(n) for n in names}
-                    if all(v is not None for v in out.values()):
+                    got = {n: (out[n] if self.cache.read_into(n, out[n]) else None)
+                           if n in out else self.cache.tensor(n) for n in names}
+                    if all(v is not None for v in got.values()):
                         for n in names:
                             self.versions.pulled[n] = self.cache.version(n)
-                        return out
+                        return got
                     # a block was rewritten in its board since its update: the newer update
                     # is on its way; should it not come, the block is snapshot again
-                    self._refresh_rewritten(names, out)
+                    self._refresh_rewritten(names, got)
                 if self.state.broker_silent:
                     raise BrokerUnavailableError(
                         f"the broker at {self.url} has been silent for over "

@@ -272,6 +272,13 @@ def test_a_pull_whose_board_block_never_gets_its_update_snapshots_it_again(make_
         assert np.array_equal(got, expect)
         assert c.stats["board_refreshes"] == 1
         assert type(c.cache.blocks[key].value) is np.ndarray      # the snapshot's bytes
+        # a read that found a block rewritten, then one that succeeded: a later rewrite waits
+        # REWRITTEN_WAIT afresh, not from the first
+        with c._cond:
+            c._refresh_rewritten(["w"], {"w": None})
+        assert "w" in c._rewritten
+        c.pull(["w"])
+        assert "w" not in c._rewritten and c.stats["board_refreshes"] == 1
     cluster.stop()
 
 

@@ -294,6 +294,8 @@ class Client(PushMethods, TableMethods):
                     if all(v is not None for v in got.values()):
                         for n in names:
                             self.versions.pulled[n] = self.cache.version(n)
+                            if self._rewritten:
+                                self._rewritten.pop(n, None)
                         return got
                     # a block was rewritten in its board since its update: the newer update
                     # is on its way; should it not come, the block is snapshot again

@@ -16,7 +16,9 @@ fan-out.
   XPUB's subscription notices, so nothing is copied for nobody.
 * Sweeping: the segments of this cluster's dead processes are removed every
   :data:`SWEEP_EVERY` seconds and at exit; client rings are left alone while pushes that may
-  reference them are in flight.
+  reference them are in flight, and rings (a dead broker's relay ring, dead clients') until the
+  broker recovered (every shard registered again, or the recovery grace ended): a shard may
+  still hold a batch that a broker which died sent it, naming them.
 """
 from __future__ import annotations
 
@@ -49,9 +51,9 @@ class ShmIO:
                 self.probe = shm.Segment.create(self.cluster, "b", 4096)
             except OSError as e:
                 log.warning("shared memory is off: %s", e)
+        self.rings_swept = False           # dead processes' rings: only once recovered
         if self.probe is not None:
-            shm.sweep(self.cluster)
-            shm.sweep(None, roles="b")   # any dead broker's probe and relay ring: only it wrote them
+            shm.sweep(self.cluster, roles="s")   # boards: a reader finds one gone, reads again
             core.sequencer.relaying = True     # the ring is made at the first relay
             core.shm = {"cluster": self.cluster, "seg": self.probe.name,
                         "nonce": self.probe.nonce, "host": shm.host_identity()}
@@ -130,9 +132,19 @@ class ShmIO:
         self._sweep()
 
     def _sweep(self) -> None:
-        # a dead client's ring stays while refs into it may be queued or in flight
-        roles = "sb" if self.core.sequencer.shm_live or self.core.consistency.barriers else "wsb"
+        if not self.core.recovery.recovered():
+            # a shard may still hold batches a dead broker sent, naming that broker's ring or
+            # clients' rings: they stay until every shard registered again (it drained them)
+            roles = "s"
+        elif self.core.sequencer.shm_live or self.core.consistency.barriers:
+            roles = "sb"    # a dead client's ring stays while refs into it may be queued
+        else:
+            roles = "wsb"
         removed = shm.sweep(self.cluster, roles, keep={self.probe.name})
+        if "b" in roles and not self.rings_swept:
+            self.rings_swept = True
+            # other clusters with no live process left (a broker restarted on another port)
+            removed += shm.sweep_abandoned(keep={self.probe.name})
         self.stats["shm_swept"] += len(removed)
 
     def close(self) -> None:

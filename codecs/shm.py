@@ -617,6 +617,26 @@ def sweep(cluster: str | None = None, roles: str = "wsb", keep=frozenset()) -> l
     return removed
 
 
+def sweep_abandoned(keep=frozenset()) -> list[str]:
+    """Remove every segment of the clusters (in this pid namespace) none of whose segments'
+    owners is alive: nobody is left to read them, nor to remove them."""
+    ns = _pidns()
+    by_cluster: dict[str, list] = {}
+    try:
+        names = os.listdir(directory())
+    except OSError:
+        return []
+    for name in names:
+        who = owned(name)
+        if who is not None and who[3] == ns and name not in keep:
+            by_cluster.setdefault(who[0], []).append(who[2])
+    removed = []
+    for tag, pids in by_cluster.items():
+        if not any(_alive(pid) for pid in pids):
+            removed += sweep(tag, keep=keep)
+    return removed
+
+
 def segments(cluster: str | None = None) -> list[str]:
     """The gradbus segments in the shared-memory directory (of ``cluster``, or all)."""
     try:

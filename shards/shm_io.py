@@ -4,8 +4,9 @@ rings, and the weights board its publisher writes into.
 The shard says in REGISTER whether it can read the broker's shared memory (it opened the probe
 the WELCOME named); the broker's REGISTERED says whether it will send it references and take
 references to weights from it. Only then does the publisher write blocks into a board (and
-only then does the shard sweep the segments of dead shards of its cluster, and again when it
-stops: a broker that was SIGKILLed leaves its probe segment, which nobody else would remove).
+only then does the shard sweep the boards of dead shards of its cluster; when it stops, dead
+brokers' segments too: a broker that was SIGKILLed leaves its probe and relay ring, which
+nobody else would remove).
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ class ShardShm:
         memory."""
         if head.shm and self.cluster is not None:
             if self.board is None:
-                shm.sweep(self.cluster, roles="sb")
+                # dead shards' boards (a reader finds one gone and reads again), never rings:
+                # another shard may still hold a batch naming a dead broker's ring
+                shm.sweep(self.cluster, roles="s")
                 self.board = shm.Board(self.cluster)
             publisher.board = self.board if self.board.failed is None else None
         else:

@@ -400,3 +400,20 @@ def test_a_segment_made_before_the_directory_filled_up_is_fully_writable(small_t
     out = proc.stdout.read()
     assert _end(proc) == 0 and out.strip() == "ok"
     assert os.listdir(d) == []
+
+
+def test_sweep_abandoned_removes_only_clusters_nobody_is_left_in(shm_dir):
+    code = ("import os; from gradbus.codecs import shm; "
+            "print(*[shm.Ring(t, 1 << 20, first=1 << 20, role='b').arenas[0].seg.name "
+            "for t in ('0000dead', '0000a11e')], flush=True); os._exit(0)")
+    dead_here, dead_there = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                                           text=True, timeout=60, check=True,
+                                           cwd=ROOT).stdout.split()
+    live = shm.Ring("0000a11e", 1 << 20, first=1 << 20)    # this process is alive in 0000a11e
+    try:
+        removed = shm.sweep_abandoned()
+        assert removed == [dead_here]
+        assert sorted(os.listdir(shm_dir)) == sorted([dead_there, live.arenas[0].seg.name])
+    finally:
+        live.close()
+        shm.sweep("0000a11e")

@@ -375,3 +375,47 @@ def test_a_full_shm_directory_falls_back_to_frames_with_exact_answers(make_clust
         _freed(cluster.url, 2)
     cluster.stop()
     assert gradbus_segments(d) == []
+
+
+# ----------------------------------------------------------------------------- a restarted broker
+def _dead_owners_segment(tag: str, role: str) -> str:
+    """A segment of cluster ``tag`` whose owner (a child process) is gone, as a SIGKILLed
+    process leaves it."""
+    code = ("import os; from gradbus.codecs import shm; "
+            f"r = shm.Ring({tag!r}, 1 << 20, first=1 << 20, role={role!r}); "
+            "print(r.arenas[0].seg.name, flush=True); os._exit(0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT, check=True)
+    return out.stdout.strip()
+
+
+def test_a_new_broker_keeps_dead_processes_rings_until_every_shard_registered(shm_dir):
+    """A dead broker's relay ring, and a dead client's ring, may be named by batches a shard
+    still holds from before the broker's restart: the new broker removes them only once it
+    recovered (here: both expected shards registered), a dead shard's board at once."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tag = shm.cluster_tag(f"127.0.0.1:{port}")
+    relay, ring = _dead_owners_segment(tag, "b"), _dead_owners_segment(tag, "w")
+    board = _dead_owners_segment(tag, "s")
+    other = _dead_owners_segment("0badc0de", "b")      # a cluster nobody is left in
+    cluster = LocalCluster(1, port=port, broker_args=[
+        "--expect-shards", "2", "--heartbeat-interval", "1", "--liveness", "10"])
+    try:
+        cluster.start()
+        present = set(os.listdir(shm_dir))
+        assert {relay, ring, other} <= present and board not in present
+        with gradbus.connect(cluster.url, block_bytes=4096) as c:   # the broker's loop runs
+            c.init({"w": _w0(1000)}, optimizer=gradbus.SGD(lr=LR))
+            _push_n(c, {"w": np.ones(1000, np.float32)}, 2)
+            assert {relay, ring, other} <= set(os.listdir(shm_dir))
+            cluster.add_shard("s1")
+            cluster.wait_ready(2)
+            wait_for(lambda: not {relay, ring, other} & set(os.listdir(shm_dir)), 30,
+                     "the dead processes' rings removed")
+            assert _counters(cluster.url)["shm_swept"] >= 3
+    finally:
+        cluster.stop()
+    assert gradbus_segments(shm_dir) == []

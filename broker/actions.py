@@ -2,6 +2,7 @@
 
 * :class:`ToClient` -- send ``frames`` to a client (frontend ROUTER); :class:`AckClient` is the
   one coalesced ACK message for the pushes of one client acknowledged in one step;
+  :class:`ReplyClient` a shard's reply whose shared-memory refs are copied out first;
 * :class:`ToShard` -- send ``frames`` to a shard (backend ROUTER), with the tensors a client
   left in shared memory inlined first where ``inline`` says so; :class:`Adopt` is the ADOPT
   that starts a catch-up (counted by ops commands);
@@ -32,10 +33,20 @@ class AckClient(ToClient):
     msgs: tuple = ()          # the msg ids this ACK acknowledges
 
 
+@dataclass(frozen=True, slots=True)
+class ReplyClient(ToClient):
+    """A shard's reply whose tensors are refs into its reply area, for a client that does not
+    read shared memory: the bytes are copied into the frames first, and ``torn`` (an ERROR
+    ``SHM_TORN``) goes instead when they were rewritten before they were read whole."""
+    torn: list = ()
+
+
 INLINE_VIEW = 1      # ToShard.inline: put shared-memory bytes in the frames (zero-copy views)
 INLINE_COPY = 2      # ... as copies (for a receiver nothing waits for: its slots may be reused)
 RELAY = 3            # ... the other way: frames from clients without it go into the broker's
                      # ring and the shard gets references (ToShard.relay names the slots)
+INLINE_REPLY = 4     # a shard's reply (STATE) with refs into its reply area, copied out first;
+                     # ToShard.torn is done instead when they were rewritten before
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +55,7 @@ class ToShard:
     frames: list
     inline: int = 0           # the receiver does not read shared memory: see INLINE_*; RELAY
     relay: int = 0            # RELAY: the id the broker's ring holds this message's bytes under
+    torn: object = None       # INLINE_REPLY: the action to do instead when the refs were torn
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,4 +99,4 @@ class Acked:
     msg: int
 
 
-Action = ToClient | ToShard | Publish | AppendLog | SyncLog | ReadLog | FreeRelays
+Action = ToClient | ReplyClient | ToShard | Publish | AppendLog | SyncLog | ReadLog | FreeRelays

@@ -9,7 +9,8 @@ import logging
 from gradbus.codecs import wire
 from gradbus.codecs.errors import Code
 
-from .actions import Publish, ToShard
+from .actions import INLINE_REPLY, Publish, ToShard
+from .rebalance import state_req
 
 log = logging.getLogger("gradbus.broker")
 
@@ -225,8 +226,29 @@ class ShardEvents:
                 or not target.alive or to not in self.table.syncing.get(p, ())):
             self.meters.counters["states_discarded"] += 1
             return []
-        self.meters.counters["state_bytes"] += sum(wire.frame_len(f) for f in frames[1:])
-        return [ToShard(target.identity, frames)]
+        self.meters.counters["state_bytes"] += sum(d.get("n", 0) for d in h.t
+                                                   if type(d) is dict and type(d.get("n")) is int)
+        if not wire.has_refs(h.t):
+            return [ToShard(target.identity, frames)]
+        self.meters.counters["shm_states"] += 1
+        if target.shm:
+            return [ToShard(target.identity, frames)]
+        # a standby without shared memory: the bytes copied out, or asked again as frames
+        return [ToShard(target.identity, frames, INLINE_REPLY,
+                        torn=state_req(s, p, target, False))]
+
+    def state_torn(self, s, h) -> list:
+        """A standby could not read a STATE whole (``SHM_TORN`` with ``p``): nothing was
+        installed; the primary is asked again, with frames this time."""
+        p = h.header.get("p")
+        if (type(p) is not int or not 0 <= p < self.P
+                or s.id not in self.table.syncing.get(p, ())):
+            return []
+        owner = self.members.shards.get(self.table.owners[p])
+        if owner is None or not owner.alive:
+            return []
+        self.meters.counters["shm_states_torn"] += 1
+        return [state_req(owner, p, s, False)]
 
     def synced(self, s, h, now: float) -> list:
         p = h.p

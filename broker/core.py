@@ -459,6 +459,8 @@ class BrokerCore:
             return self._coalesce(ev.synced(s, m, now))
         if kind == wire.ERROR:
             self.meters.errors["shard_" + m.code] += 1
+            if m.code == Code.SHM_TORN.value:     # a STATE it could not read whole
+                return ev.state_torn(s, m)
             log.warning("shard %s reports %s: %s", s.id, m.code, m.message)
             return []
         if kind == wire.BYE:

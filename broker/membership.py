@@ -22,7 +22,7 @@ class ShardInfo:
     bytes: int = 0                        # bytes of parameters placed on it (the table's)
     info: dict = field(default_factory=dict)
     snapshots: list = field(default_factory=list)  # outstanding (client, req)
-    queued_snapshots: list = field(default_factory=list)  # (client, req, keys, of, rows)
+    queued_snapshots: list = field(default_factory=list)  # (client, req, keys, of, rows, shm)
     shm: bool = False                     # reads pushes from, and publishes into, shared memory
 
 

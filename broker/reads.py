@@ -1,6 +1,12 @@
 """Reads: SNAPSHOT and ROWS requests routed to the partitions' primaries (queued behind any
 init or push still queued for them, so a client reads its own writes), DIGEST and CHECKPOINT
-fanned out to the shards, and the replies passed back to the asker."""
+fanned out to the shards, and the replies passed back to the asker.
+
+A read goes to a shard marked ``shm`` when both the shard and the client read shared memory
+(a client says so in its HEARTBEAT, or in the read itself; a read marked ``shm: false`` is a
+client asking again, with frames, after a torn reply): the shard may then answer with refs
+into its reply area. A reply with refs for a client that does not read shared memory has them
+copied out (:class:`~.actions.ReplyClient`)."""
 from __future__ import annotations
 
 from collections import defaultdict
@@ -9,7 +15,7 @@ from gradbus.codecs import wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import partition_of, row_key
 
-from .actions import ToClient, ToShard
+from .actions import ReplyClient, ToClient, ToShard
 
 
 class Reads:
@@ -40,9 +46,18 @@ class Reads:
         msg = wire.pack(kind, req=req, client=identity, of=len(targets), **extra)
         return [ToShard(x.identity, [msg]) for x in targets]
 
+    @staticmethod
+    def _wants_shm(client, h) -> bool:
+        """Whether the reply to read ``h`` may reference shared memory, as the client sees it
+        (the shard's side is checked at dispatch)."""
+        if h.shm:
+            client.shm = True      # as its HEARTBEAT would say
+        return client.shm if h.shm is None else h.shm
+
     def snapshot(self, client, h) -> list:
         """A typed SNAPSHOT (its keys are strings)."""
         req = h.req
+        shm = self._wants_shm(client, h)
         by_shard: dict[str, list] = defaultdict(list)
         max_bytes = self.settings.max_batch_bytes
         for key in h.keys:
@@ -62,7 +77,7 @@ class Reads:
         for sid, chunks in by_shard.items():
             for keys, _ in chunks:
                 self.members.shards[sid].queued_snapshots.append(
-                    (client.identity, req, keys, of, None))
+                    (client.identity, req, keys, of, None, shm))
         return []
 
     def rows(self, client, h) -> list:
@@ -70,6 +85,7 @@ class Reads:
         partition's primary. A read of a bsp table with ``min`` is parked until its step is
         applied."""
         req, tbl = h.req, self.catalog.table(h.table)
+        shm = self._wants_shm(client, h)
         if self.consistency.must_wait(tbl, h.min):
             self.consistency.park(client.identity, h)
             return []
@@ -87,7 +103,7 @@ class Reads:
         for sid, qs in by_shard.items():
             self.members.shards[sid].queued_snapshots.append(
                 (client.identity, req, [row_key(tbl.name, p) for p, _ in qs], len(by_shard),
-                 {"table": tbl.name, "q": qs, "tv": tbl.version}))
+                 {"table": tbl.name, "q": qs, "tv": tbl.version}, shm))
         return []
 
     def wake(self) -> list:
@@ -115,14 +131,15 @@ class Reads:
                 continue
             keep = []
             for item in s.queued_snapshots:
-                client, req, keys, of, rows = item
+                client, req, keys, of, rows, shm = item
                 if self.blocked(keys, replaying):
                     keep.append(item)   # an init/push for these partitions is still queued
                     continue
                 s.snapshots.append((client, req))
-                msg = (wire.pack(wire.SNAPSHOT, req=req, client=client, of=of, keys=keys)
+                refs = {"shm": True} if shm and s.shm else {}
+                msg = (wire.pack(wire.SNAPSHOT, req=req, client=client, of=of, keys=keys, **refs)
                        if rows is None else wire.pack(wire.ROWS, req=req, client=client, of=of,
-                                                      **rows))
+                                                      **rows, **refs))
                 actions.append(ToShard(s.identity, [msg]))
             s.queued_snapshots = keep
 
@@ -136,6 +153,11 @@ class Reads:
                 s.snapshots.remove((client, h.req))
             except ValueError:
                 pass
+            asker = self.members.clients.get(client)
+            if wire.has_refs(h.t) and (asker is None or not asker.shm):
+                return [ReplyClient(client, frames, [wire.error(
+                    Code.SHM_TORN, f"{h.kind}: rewritten in shard {s.id}'s shared memory before "
+                                   "it was read; ask again", req=h.req)])]
         return [ToClient(client, frames)]
 
     def shard_gone(self, s, message: str) -> list:

@@ -17,6 +17,13 @@ from .settings import RATE_TAU
 log = logging.getLogger("gradbus.broker")
 
 
+def state_req(owner, p: int, t, shm: bool) -> ToShard:
+    """The STATE_REQ asking ``owner`` for partition p's state for ``t``; ``shm``: it may come
+    through the owner's reply area (both read shared memory)."""
+    refs = {"shm": True} if shm and owner.shm and t.shm else {}
+    return ToShard(owner.identity, [wire.pack(wire.STATE_REQ, p=p, to=t.id, **refs)])
+
+
 class Rebalance:
     def __init__(self, partitions: int, settings, meters, members, table, sequencer,
                  settlement, now: float):
@@ -48,7 +55,7 @@ class Rebalance:
         self.table.start_catch_up(p, t, now)
         owner = self.members.shards[self.table.owners[p]]
         return [Adopt(t.identity, [wire.pack(wire.ADOPT, p=p)], p=p),
-                ToShard(owner.identity, [wire.pack(wire.STATE_REQ, p=p, to=t.id)])]
+                state_req(owner, p, t, t.shm)]
 
     def sync_room(self, p: int) -> bool:
         """Whether another copy of partition p may start catching up now: fewer than

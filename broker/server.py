@@ -31,7 +31,16 @@ from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import WireError
 
 from . import log as ulog
-from .actions import AppendLog, FreeRelays, Publish, ReadLog, SyncLog, ToClient, ToShard
+from .actions import (
+    AppendLog,
+    FreeRelays,
+    Publish,
+    ReadLog,
+    ReplyClient,
+    SyncLog,
+    ToClient,
+    ToShard,
+)
 from .core import BrokerCore
 from .faults import FaultInjector
 from .flow import ByteCap
@@ -134,11 +143,19 @@ class BrokerServer:
         for act in actions:
             try:
                 match act:
+                    case ReplyClient(identity, frames, torn):
+                        out = self.shm_io.inline_reply(frames)
+                        self.frontend.send_multipart([identity, *(torn if out is None else out)],
+                                                     copy=False)
                     case ToClient(identity, frames):
                         self.frontend.send_multipart([identity, *frames], copy=False)
-                    case ToShard(identity, frames, inline, relay):
+                    case ToShard(identity, frames, inline, relay, torn):
                         if inline:
                             frames = self.shm_io.to_shard(frames, inline, relay)
+                        if frames is None:        # a reply's refs were torn: ask again instead
+                            if torn is not None:
+                                self._do([torn])
+                            continue
                         self.backend.send_multipart([identity, *frames], copy=False)
                     case Publish(frames, refs):
                         self.shm_io.publish(self.events, frames, refs)

@@ -5,7 +5,10 @@ fan-out.
   and host identity); a client or shard that opens it and finds the nonce shares this
   broker's shared-memory directory, and says so (REGISTER ``shm``, client HEARTBEAT ``shm``).
 * Inlining: a BATCH for a shard that does not read shared memory, and the update log, get a
-  client's ring bytes as frames (:func:`gradbus.codecs.wire.inline_refs`).
+  client's ring bytes as frames (:func:`gradbus.codecs.wire.inline_refs`); so does a shard's
+  reply (SNAPSHOT_REPLY, ROWS_REPLY, STATE) that references its reply area, for a receiver
+  that does not read shared memory (shards reference it only for receivers that do, so this
+  is the exception), or it gets a retryable ``SHM_TORN`` when the bytes were rewritten first.
 * Relaying, the other way: a BATCH of frames (pushes from clients without shared memory, on
   other hosts say) goes to a shard that reads it as references into this broker's own ring,
   one copy here in place of a second TCP hop; the slots are freed when every replica applied
@@ -27,8 +30,9 @@ import logging
 import zmq
 
 from gradbus.codecs import shm, wire
+from gradbus.codecs.errors import WireError
 
-from .actions import RELAY
+from .actions import INLINE_REPLY, RELAY
 
 log = logging.getLogger("gradbus.broker")
 
@@ -59,9 +63,13 @@ class ShmIO:
                         "nonce": self.probe.nonce, "host": shm.host_identity()}
 
     # -- sends ---------------------------------------------------------------------------------
-    def to_shard(self, frames: list, inline: int, relay: int = 0) -> list:
+    def to_shard(self, frames: list, inline: int, relay: int = 0) -> list | None:
+        """The message for a shard as ``inline`` says (see :mod:`.actions`); None for a reply
+        whose refs were torn (INLINE_REPLY)."""
         if inline == RELAY:
             return self._relay(frames, relay)
+        if inline == INLINE_REPLY:
+            return self.inline_reply(frames)
         out = wire.inline_refs(frames, 0, self.mapper, inline == 2)
         self.stats["shm_inlined"] += 1
         return out
@@ -81,6 +89,19 @@ class ShmIO:
             out = wire.with_refs(frames, refs)
             self.stats["shm_relayed"] += 1
         self.relayed[relay] = out
+        return out
+
+    def inline_reply(self, frames: list) -> list | None:
+        """A shard's reply (header first) with the blocks it references in the shard's reply
+        area copied into its frames, for a receiver that does not read shared memory; None
+        when one was rewritten, or its segment is gone, before it was read whole (the receiver
+        gets a retryable answer instead, never other bytes)."""
+        try:
+            out = wire.inline_refs(frames, 0, self.mapper, True)
+        except WireError as e:
+            log.warning("shared memory: a reply's %s", e)
+            out = None
+        self.stats["shm_torn_inline" if out is None else "shm_replies_inlined"] += 1
         return out
 
     def free_relays(self, relays) -> None:

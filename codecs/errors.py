@@ -41,6 +41,9 @@ class Code(str, enum.Enum):
                                            # needs (shard, client, operator): refused, counted
     SHARD_ID_IN_USE = "SHARD_ID_IN_USE"    # a REGISTER for a shard id alive on another
                                            # connection: refused, counted
+    SHM_TORN = "SHM_TORN"                  # a reply's bytes in a shard's shared memory were
+                                           # rewritten before they were read whole: ask again
+                                           # (with frames); nothing was used
     INTERNAL = "INTERNAL"                  # a bug: the receiver failed handling a valid message
 
 

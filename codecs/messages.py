@@ -170,6 +170,9 @@ class Snapshot:
     keys: tuple
     client: bytes | None
     of: int | None
+    shm: bool | None          # a client's: True it reads shared memory, False frames only
+                              # (asked again after a torn reply); the broker's to a shard:
+                              # True, the reply may reference its reply area
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,6 +186,7 @@ class Rows:
     tv: int | None
     client: bytes | None
     of: int | None
+    shm: bool | None          # as a SNAPSHOT's
 
     def fields(self) -> dict:
         """What a ROWS forwarded to a shard carries besides ``req``, routing and ``tv``."""
@@ -294,6 +298,7 @@ class StateReq:
     kind = wire.STATE_REQ
     p: int
     to: str
+    shm: bool                 # the standby reads shared memory: STATE may reference it
 
 
 @dataclass(frozen=True, slots=True)
@@ -391,7 +396,7 @@ def _init(h, P):
 
 def _snapshot(h, P):
     return Snapshot(h["req"], str_list(h["keys"], "snapshot", "keys"),
-                    opt(h.get("client"), bytes), opt_int(h.get("of"), 1))
+                    opt(h.get("client"), bytes), opt_int(h.get("of"), 1), opt(h.get("shm"), bool))
 
 
 def _rows(h, P):
@@ -401,7 +406,8 @@ def _rows(h, P):
                 and not len(x[1]) % 8 and (0 <= x[0] < P if P else x[0] >= 0)):
             good.append((x[0], x[1]))
     return Rows(h["req"], h["table"], tuple(good), len(q) - len(good), opt(h.get("min"), int),
-                opt(h.get("tv"), int), opt(h.get("client"), bytes), opt_int(h.get("of"), 1))
+                opt(h.get("tv"), int), opt(h.get("client"), bytes), opt_int(h.get("of"), 1),
+                opt(h.get("shm"), bool))
 
 
 def _ps(h, P):
@@ -504,7 +510,8 @@ _BUILD = {
     wire.HEARTBEAT: _heartbeat, wire.BYE: lambda h, P: Bye(), wire.STOP: lambda h, P: Stop(),
     wire.ERROR: _error, wire.REGISTER: _register, wire.REGISTERED: _registered,
     wire.ADOPT: lambda h, P: Adopt(_p(h, P)),
-    wire.STATE_REQ: lambda h, P: StateReq(_p(h, P), h["to"]), wire.STATE: _state,
+    wire.STATE_REQ: lambda h, P: StateReq(_p(h, P), h["to"], h.get("shm") is True),
+    wire.STATE: _state,
     wire.SYNCED: lambda h, P: Synced(_p(h, P), h["seq"]),
     wire.DROP: lambda h, P: Drop(tuple(p for p in h["ps"] if type(p) is int)),
     **replies.BUILD,

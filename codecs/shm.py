@@ -19,10 +19,13 @@ with a 64-byte header, ``MAGIC``, a 16-byte nonce and the size; data lives after
 * :class:`Board` -- a shard's published weights: two versions per block, each behind a stamp
   word (a seqlock); a reader copies a version out and checks the stamp before and after, so it
   never keeps a half-written block.
+* :class:`ReplyArea` -- a shard's replies (snapshots, rows reads, a partition's state for a
+  standby): written over the oldest, never freed; each reply's granules carry its stamp in a
+  table apart from the data, so a reader knows whether what it copied out is still that reply.
 * :class:`Mapper` -- a reader's cache of peers' segments, opened read-only, bounds-checked.
 
 References travel in a tensor descriptor's ``r`` field: ``[segment, offset]`` into a ring,
-``[segment, offset, stamp]`` into a board (see docs/protocol.md). The board's stamp protocol
+``[segment, offset, stamp]`` into a board or a reply area (see docs/protocol.md). The board's stamp protocol
 relies on stores being seen in program order (x86-64); elsewhere boards are off and weights
 travel as frames.
 """
@@ -51,6 +54,10 @@ HEADER = 64                       # bytes before a segment's data
 ALIGN = 64                        # every slot starts on a cache line
 MIN_RING_SEGMENT = 8 << 20        # a ring grows by segments of at least this size
 MAX_MAPPED = 64                   # peers' segments a reader keeps open
+MIN_REPLY_SEGMENT = 8 << 20       # a reply area's first segment (data bytes)
+REPLY_CAP = 256 << 20             # the most data bytes a shard's reply area grows to
+REPLY_MARK = b"GBREPLY1"          # at byte 32 of a reply area's segment: then its layout
+GRANULE_SHIFT = 12                # a reply area's data is stamped per 4 KiB granule
 _WRITING = (1 << 64) - 1          # a board slot's stamp while it is being written
 _U64 = struct.Struct("<Q")
 NAME_RE = re.compile(r"gradbus-([0-9a-f]{8})-([wsb])(\d{1,10})-(\d{1,20})-(\d{1,12})-([0-9a-f]{4})\Z")
@@ -122,7 +129,8 @@ class Segment:
     """One mapped segment. ``create`` makes and owns it (``unlink`` removes the name);
     ``open`` maps a peer's read-only."""
 
-    __slots__ = ("name", "path", "size", "mm", "view", "words", "nonce", "owner", "address")
+    __slots__ = ("name", "path", "size", "mm", "view", "words", "nonce", "owner", "address",
+                 "stamps", "data", "shift")
 
     def __init__(self, name: str, path: str, mm: mmap.mmap, owner: bool):
         self.name, self.path, self.mm, self.owner = name, path, mm, owner
@@ -131,6 +139,20 @@ class Segment:
         self.words = np.frombuffer(mm, np.uint64) if owner else None   # aligned 8-byte stores
         self.address = self.words.ctypes.data if owner else 0          # where byte 0 is mapped
         self.nonce = bytes(self.view[8:24])
+        self.stamps = None               # a reply area's granule stamps (see ReplyArea)
+        self.data = self.shift = 0
+        if not owner and self.view[32:40] == REPLY_MARK:
+            self._reply_layout()
+
+    def _reply_layout(self) -> None:
+        """A peer's reply area: its granule size, count and data offset, checked against the
+        segment's size (a bad one is refused when a ref into it is read)."""
+        shift, count, data = struct.unpack_from("<QQQ", self.view, 40)
+        if (not 6 <= shift <= 30 or data < HEADER + 8 * count or data % ALIGN
+                or data + (count << shift) > self.size):
+            return
+        self.stamps = np.frombuffer(self.mm, np.uint64, count, HEADER)
+        self.data, self.shift = data, shift
 
     @classmethod
     def create(cls, cluster: str, role: str, size: int) -> Segment:
@@ -188,7 +210,7 @@ class Segment:
         return self.view[off:off + n]
 
     def close(self) -> None:
-        self.words = None
+        self.words = self.stamps = None
         try:
             self.view.release()
             self.mm.close()
@@ -497,6 +519,106 @@ class Board:
         self.slots.clear()
 
 
+class ReplyArea:
+    """A shard's replies in shared memory (SNAPSHOT_REPLY, ROWS_REPLY, STATE), written over the
+    oldest and never freed: no FREE comes back for them.
+
+    Its segment (role ``s``) is a 64-byte header, a table of stamp words, one per granule of
+    ``1 << GRANULE_SHIFT`` bytes, then the granules. A reply takes consecutive granules (from
+    where the last one ended, or from the first when it does not fit before the end), its
+    tensors each on a cache line; its granules' stamps are set to ``_WRITING``, the bytes
+    written, then every stamp set to the reply's own, a number never used before (the board's
+    seqlock, stamp by granule). A reader copies a tensor out and checks the stamps of the
+    granules it lies in before and after: all equal to its ref's, the bytes are that reply's.
+    The stamps live apart from the data, so no reply's bytes can pass for one.
+
+    One segment at a time, made at the first reply; a reply larger than it makes one twice as
+    large (or as large as the reply), at most ``cap`` data bytes, and the old one is removed
+    (refs still in flight into it read as torn). A reply larger than ``cap`` goes as frames.
+    Not thread safe: the shard's loop is its one writer."""
+
+    def __init__(self, cluster: str, cap: int = REPLY_CAP, first: int = MIN_REPLY_SEGMENT):
+        self.cluster = cluster
+        self.cap = cap
+        self.first = first
+        self.seg: Segment | None = None
+        self.table = None                  # the segment's stamp words (a numpy view)
+        self.count = 0                     # granules in the segment
+        self.data = 0                      # offset of the first granule
+        self.head = 0                      # the granule the next reply starts at
+        self.stamp = 0
+        self.failed: str | None = None     # why the area stopped making segments
+        self.stats = collections.Counter()
+
+    @property
+    def size(self) -> int:
+        return self.seg.size if self.seg is not None else 0
+
+    def _grow(self, need: int) -> bool:
+        """A segment of at least ``need`` granules (the old one removed); False when the cap or
+        the directory has no room for it (the old one is kept)."""
+        g = 1 << GRANULE_SHIFT
+        want = max(self.first, 2 * (self.count << GRANULE_SHIFT), need << GRANULE_SHIFT)
+        want = min(want, self.cap) // g * g
+        if self.failed is not None or need << GRANULE_SHIFT > want:
+            return False
+        count = want >> GRANULE_SHIFT
+        data = HEADER + -(-8 * count // ALIGN) * ALIGN
+        try:
+            seg = Segment.create(self.cluster, "s", data + want)
+        except OSError as e:
+            self.failed = str(e)
+            log.warning("shared memory for replies stops growing, larger replies go as "
+                        "frames: %s", e)
+            return False
+        seg.view[32:40] = REPLY_MARK
+        struct.pack_into("<QQQ", seg.view, 40, GRANULE_SHIFT, count, data)
+        self._drop()
+        self.seg, self.count, self.data, self.head = seg, count, data, 0
+        self.table = seg.words[HEADER >> 3:(HEADER >> 3) + count]
+        self.stats["shm_reply_segments"] += 1
+        return True
+
+    def place(self, bufs) -> list | None:
+        """Write one reply's tensors; their refs ``[segment, offset, stamp]``, or None (send
+        them as frames) when the reply is larger than the area can be."""
+        if not ORDERED_STORES:
+            return None
+        views = [memoryview(b).cast("B") for b in bufs]
+        offs, total = [], 0
+        for v in views:
+            offs.append(total)
+            total += -(-max(v.nbytes, 1) // ALIGN) * ALIGN
+        need = max(1, -(-total >> GRANULE_SHIFT))
+        if (self.seg is None or need > self.count) and not self._grow(need):
+            self.stats["shm_replies_full"] += 1
+            return None
+        g0 = self.head if self.head + need <= self.count else 0
+        self.head = g0 + need
+        self.stamp += 1
+        stamps = self.table[g0:g0 + need]
+        stamps[:] = _WRITING                 # aligned 8-byte stores, before any byte
+        base = self.data + (g0 << GRANULE_SHIFT)
+        view, name = self.seg.view, self.seg.name
+        for v, off in zip(views, offs):
+            if v.nbytes:
+                view[base + off:base + off + v.nbytes] = v
+        stamps[:] = self.stamp               # after every byte
+        self.stats["shm_replies"] += 1
+        self.stats["shm_reply_bytes"] += sum(v.nbytes for v in views)
+        return [[name, base + off, self.stamp] for off in offs]
+
+    def _drop(self) -> None:
+        self.table = None
+        if self.seg is not None:
+            self.seg.close()
+            self.seg = None
+        self.count = 0
+
+    def close(self) -> None:
+        self._drop()
+
+
 # ----------------------------------------------------------------------------- reading
 class Mapper:
     """A reader's peers' segments, opened on first use, at most ``MAX_MAPPED`` kept (least
@@ -525,34 +647,45 @@ class Mapper:
         return self.segment(ref[0]).span(ref[1], n)
 
     def copy(self, ref, n: int) -> bytearray | None:
-        """The ``n`` bytes a board ref names, copied out whole, or None when the block was
-        rewritten meanwhile (the reader fell two publishes behind)."""
-        got = self._board_span(ref, n)
+        """The ``n`` bytes a board or reply-area ref names, copied out whole, or None when
+        they were rewritten meanwhile (the reader fell two publishes behind, or later replies
+        took the area's room)."""
+        seg = self.segment(ref[0])
+        if seg.stamps is not None:
+            return _copy_reply(seg, ref[1], n, ref[2])
+        got = self._board_span(seg, ref, n)
         if got is None:
             return None
-        out = bytearray(got[0])
-        return out if self._stamped(ref, got[1]) else None
+        out = bytearray(got)
+        return out if self._stamped(ref, seg) else None
 
     def copy_into(self, ref, out: memoryview) -> bool:
-        """Copy the ``out.nbytes`` bytes a board ref names into ``out`` (a writable byte
-        view); False, ``out`` then holding nothing of use, when the block was rewritten
-        before it was read whole."""
-        got = self._board_span(ref, out.nbytes)
+        """Copy the ``out.nbytes`` bytes a board or reply-area ref names into ``out`` (a
+        writable byte view); False, ``out`` then holding nothing of use, when they were
+        rewritten before they were read whole."""
+        seg = self.segment(ref[0])
+        if seg.stamps is not None:
+            got = _copy_reply(seg, ref[1], out.nbytes, ref[2])
+            if got is not None:
+                out[:] = got
+            return got is not None
+        got = self._board_span(seg, ref, out.nbytes)
         if got is None:
             return False
-        out[:] = got[0]
-        return self._stamped(ref, got[1])
+        out[:] = got
+        return self._stamped(ref, seg)
 
-    def _board_span(self, ref, n: int):
-        """``(bytes, segment)`` of a board ref whose stamp still holds, else None."""
-        seg = self.segment(ref[0])
+    def _board_span(self, seg: Segment, ref, n: int) -> memoryview | None:
+        """The bytes of a board ref whose stamp still holds, else None."""
         off = ref[1]
         if ref[2] == 0:       # no version is stamped 0
             return None
+        if seg.view[32:40] == REPLY_MARK:
+            raise WireError(Code.BAD_FIELD, f"segment {seg.name}: a reply area with a bad layout")
         if off - ALIGN < HEADER:
             raise WireError(Code.BAD_FIELD, f"segment {seg.name}: offset {off} is no board slot")
         src = seg.span(off, n)
-        return (src, seg) if self._stamped(ref, seg) else None
+        return src if self._stamped(ref, seg) else None
 
     @staticmethod
     def _stamped(ref, seg) -> bool:
@@ -563,6 +696,22 @@ class Mapper:
             for seg in self.segs.values():
                 seg.close()
             self.segs.clear()
+
+
+def _copy_reply(seg: Segment, off: int, n: int, stamp: int) -> bytearray | None:
+    """A reply area's ``n`` bytes at ``off``, when every granule they lie in holds ``stamp``
+    before and after the copy."""
+    lo = off - seg.data if type(off) is int else -1
+    if lo < 0 or n < 0 or off + n > seg.data + (len(seg.stamps) << seg.shift):
+        raise WireError(Code.BAD_FIELD, f"segment {seg.name}: [{off}, {off}+{n}) is out of "
+                                        "its reply granules")
+    stamps = seg.stamps[lo >> seg.shift:((lo + max(n, 1) - 1) >> seg.shift) + 1]
+    if not (stamps == stamp).all():
+        return None
+    out = bytearray(seg.view[off:off + n])
+    if not (stamps == stamp).all():
+        return None
+    return out
 
 
 # ----------------------------------------------------------------------------- sweeping

@@ -422,7 +422,8 @@ def resolve_refs(t: list, frames: list, mapper, unreadable=None) -> bool:
     ``frames`` (the tensor frames, changed in place): a view into a push ring, a copy out of a
     weights board. False when a board block was rewritten before it was read whole; a ref that
     names no readable segment raises :class:`WireError`, or with ``unreadable`` (called with
-    the error and the byte count) puts what that returns there instead. Malformed descriptors
+    the error and the byte count) puts what that returns there instead (a ring's; for a
+    board's or a reply area's the answer is False). Malformed descriptors
     are left for :func:`parse_tensors` to refuse."""
     if not t or type(t) is not list:
         return True
@@ -438,6 +439,8 @@ def resolve_refs(t: list, frames: list, mapper, unreadable=None) -> bool:
         except WireError as e:
             if unreadable is None:
                 raise
+            if len(r) == 3:      # a board's or reply area's block not read is not read whole
+                return False
             buf = unreadable(e, n)
         if buf is None:
             return False
@@ -475,6 +478,18 @@ def inline_refs(frames: list, at: int, mapper, copy: bool) -> list | None:
         return frames
     out[at] = msgpack.packb(h, use_bin_type=True)
     return out
+
+
+def with_fields(frame, **fields) -> bytes:
+    """A header frame packed again with ``fields`` set (a request asked again otherwise)."""
+    h = msgpack.unpackb(frame.bytes if hasattr(frame, "bytes") else frame, raw=False)
+    h.update(fields)
+    return msgpack.packb(h, use_bin_type=True)
+
+
+def has_refs(t) -> bool:
+    """Whether descriptors ``t`` (a header's raw ``t``) reference shared memory."""
+    return type(t) is list and any(type(d) is dict and "r" in d for d in t)
 
 
 def with_refs(frames: list, refs: list) -> list:

@@ -103,6 +103,8 @@ def _write_tmp(tmp: str, shard_id: str, states: list[list], now: float) -> list:
     for msg in states:
         header = bytes(msg[0])
         h = msgpack.unpackb(header)
+        if wire.has_refs(h.get("t")):    # a file holds the bytes, never shared-memory refs
+            raise ValueError(f"the state of partition {h['p']} references shared memory")
         parts.append((h["p"], h["epoch"], h["seq"]))
         _write_file(os.path.join(tmp, f"p{h['p']:05d}.gbs"),
                     [MAGIC, struct.pack("<I", len(header)), header,

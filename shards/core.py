@@ -93,7 +93,8 @@ class ShardCore:
             self.replication.adopt(m.p)
             return []
         if kind == wire.STATE_REQ:
-            return [self.replication.export(m.p, m.to)]
+            return [self.replication.export(m.p, m.to,
+                                            self.publisher.replies if m.shm else None)]
         if kind == wire.STATE:
             return self.replication.install(m, descs, frames[1:], self._apply_now)
         if kind == wire.DROP:

@@ -4,7 +4,8 @@ and the replies to SNAPSHOT and ROWS reads.
 A primary publishes the blocks a part changed on the events socket with the part's
 ``(epoch, seq)``, encoded with the shard's weights codec chain; with a ``delta|`` chain it
 publishes the change since the block's last publish. A standby applies and publishes nothing.
-Table rows are never published: clients read them with ROWS.
+Table rows are never published: clients read them with ROWS. A read the broker marks
+``shm`` is answered through the shard's reply area when it has one (:func:`.shm_io.place_reply`).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gradbus.codecs import net, wire
 from gradbus.codecs.partition import row_key, split_row_key
 
 from .apply import PartApplied
+from .shm_io import place_reply
 from .store import ParameterStore
 
 
@@ -34,6 +36,7 @@ class Publisher:
         self.backend = backend
         self.stats = counters          # the shard's counters (shared with the other parts)
         self.board = None              # a shm.Board to publish blocks into (the loop sets it)
+        self.replies = None            # a shm.ReplyArea for replies to readers of shared memory
 
     # -- after a batch -------------------------------------------------------------------------
     def result(self, done: PartApplied) -> tuple[dict, list]:
@@ -100,6 +103,8 @@ class Publisher:
         """The blocks asked for, as subscribers' updates build on them (a delta chain's
         ``published``), with each one's partition seq; unknown keys listed as missing."""
         self.stats["snapshots"] += 1
+        area = self.replies if h.shm else None
+        frames = area is None          # frames go out later: they must not alias live values
         descs, bufs, missing, parts = [], [], [], {}
         for key in h.keys:
             blk = self.store.blocks.get(key)
@@ -107,14 +112,17 @@ class Publisher:
                 missing.append(key)
                 continue
             if self.delta and blk.published is not None:   # what subscribers' deltas build on
-                d, buf = wire.encode_tensor(key, blk.published.copy(), "raw", blk.version)
+                d, buf = wire.encode_tensor(key, blk.published.copy() if frames else
+                                            blk.published, "raw", blk.version, hashed=frames)
                 d["base"] = blk.pub_seq
             else:
-                d, buf = wire.encode_tensor(key, host_copy(self.backend, blk.value), "raw",
-                                            blk.version)
+                value = host_copy(self.backend, blk.value) if frames else \
+                    self.backend.to_host(blk.value)
+                d, buf = wire.encode_tensor(key, value, "raw", blk.version, hashed=frames)
             descs.append(d)
             bufs.append(buf)
             parts[blk.p] = self.store.partition(blk.p).seq
+        bufs = place_reply(area, descs, bufs, self.stats)
         fields = {"req": h.req, **{k: v for k in ("client", "of")
                                    if (v := getattr(h, k)) is not None}}
         return [wire.pack(wire.SNAPSHOT_REPLY, descs, parts=sorted(parts.items()), missing=missing,
@@ -124,6 +132,7 @@ class Publisher:
         """Rows of a table, by partition: stored values, or for rows not created yet (never
         pushed, or filtered) their initial values. Never creates a row."""
         self.stats["row_reads"] = self.stats.get("row_reads", 0) + 1
+        area = self.replies if h.shm else None
         descs, bufs, missing = [], [], []
         for q in h.q:       # malformed pairs were left out when the message was unpacked
             key = row_key(h.table, q[0])
@@ -132,9 +141,10 @@ class Publisher:
                 missing.append(q[0])
                 continue
             d, buf = wire.encode_tensor(key, tbl.lookup(wire.row_ids(q[1])),
-                                        "raw", tbl.version)
+                                        "raw", tbl.version, hashed=area is None)
             descs.append(d)
             bufs.append(buf)
+        bufs = place_reply(area, descs, bufs, self.stats, fresh=True)   # lookup's own arrays
         fields = {"req": h.req, **{k: v for k in ("client", "of", "tv")
                                    if (v := getattr(h, k)) is not None}}
         return [wire.pack(wire.ROWS_REPLY, descs, missing=missing, **fields), *bufs]

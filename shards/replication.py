@@ -19,6 +19,7 @@ from gradbus.codecs.partition import split_row_key
 
 from .publish import host_copy
 from .rows import RowTable
+from .shm_io import place_reply
 from .store import ParameterStore
 
 log = logging.getLogger("gradbus.shard")
@@ -77,10 +78,13 @@ class Replication:
             self.stats["dropped"] += 1
 
     # -- export and install ------------------------------------------------------------------
-    def export(self, p: int, to: str) -> list:
+    def export(self, p: int, to: str, area=None) -> list:
         """The whole state of partition ``p`` (values, optimizer state, versions, seq) for the
-        standby ``to``: installed there, it equals this shard's state as of this seq."""
+        standby ``to``: installed there, it equals this shard's state as of this seq. With
+        ``area`` (a reply area: the standby reads shared memory) the bytes go there when they
+        fit; a checkpoint's states never do."""
         pst = self.store.partition(p)
+        frames = area is None
         metas, descs, bufs = [], [], []
         for key in sorted(pst.keys):
             blk = self.store.blocks[key]
@@ -89,7 +93,8 @@ class Replication:
             metas.append({"key": key, "layout": blk.layout.to_wire(), "opt": blk.opt,
                           "version": blk.version, "arrays": arrays, "scalars": scalars})
             for _name, arr in [("", blk.value)] + [(a, blk.state[a]) for a in arrays]:
-                d, buf = wire.encode_tensor(key, host_copy(self.backend, arr), "raw")
+                host = host_copy(self.backend, arr) if frames else self.backend.to_host(arr)
+                d, buf = wire.encode_tensor(key, host, "raw", hashed=frames)
                 descs.append(d)
                 bufs.append(buf)
         for key in sorted(pst.tables):
@@ -97,9 +102,10 @@ class Replication:
             metas.append({"key": key, "table": self.store.tables[key].cfg, "scalars": scalars,
                           "arrays": [name for name, _ in arrays]})
             for _, arr in arrays:
-                d, buf = wire.encode_tensor(key, np.ascontiguousarray(arr), "raw")
+                d, buf = wire.encode_tensor(key, np.ascontiguousarray(arr), "raw", hashed=frames)
                 descs.append(d)
                 bufs.append(buf)
+        bufs = place_reply(area, descs, bufs, self.stats)
         self.stats["states_sent"] += 1
         return [wire.pack(wire.STATE, descs, p=p, to=to, seq=pst.seq, epoch=pst.epoch,
                           blocks=metas, recent=[list(r) for r in pst.recent]), *bufs]
@@ -114,7 +120,9 @@ class Replication:
         for meta in h.blocks:
             n = meta.nframes
             if type(meta) is StateRows:
-                arrs = {name: np.array(wire.decode_tensor(d, f, self.max_tensor_bytes))
+                # bytes copied out of a reply area under matching stamps are not hashed again
+                arrs = {name: np.array(wire.decode_tensor(d, f, self.max_tensor_bytes,
+                                                          verify=d.ref is None))
                         for name, d, f in zip(meta.arrays, descs[pos:pos + n],
                                               frames[pos:pos + n])}
                 pos += n
@@ -122,7 +130,7 @@ class Replication:
                 self.store.install_table(meta.key, p, RowTable.install(
                     meta.table, meta.scalars, arrs, pool))
                 continue
-            arrs = [wire.decode_tensor(d, f, self.max_tensor_bytes)
+            arrs = [wire.decode_tensor(d, f, self.max_tensor_bytes, verify=d.ref is None)
                     for d, f in zip(descs[pos:pos + n], frames[pos:pos + n])]
             pos += n
             blk, _ = self.store.create(meta.key, p, meta.layout, {"name": "given"}, meta.opt,

@@ -45,9 +45,10 @@ class ShardServer:
                  data_dir: str | None = None, checkpoint_interval: float = 0.0,
                  checkpoint_keep: int = 3, restore: str | None = None,
                  on_metrics=None, metrics_url: str | None = None, shm: bool | None = None,
-                 **core_kw):
+                 shm_reply_bytes: int | None = None, **core_kw):
         """``shm``: read pushes from and publish weights into shared memory when the broker is
-        on this host (None: ``$GRADBUS_SHM``, else on)."""
+        on this host (None: ``$GRADBUS_SHM``, else on); ``shm_reply_bytes``: the cap of its
+        reply area (None: ``$GRADBUS_SHM_REPLY_MB``, else 256 MiB; 0: replies as frames)."""
         net.split_url(broker_url)
         self.broker_url = broker_url
         self.shard_id = shard_id or f"shard-{uuid.uuid4().hex[:8]}"
@@ -63,7 +64,7 @@ class ShardServer:
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None
-        self.shm = ShardShm(shmem.wanted(shm))
+        self.shm = ShardShm(shmem.wanted(shm), shm_reply_bytes)
         # until the broker is heard on self.sock: its handshake failures, and the time
         # (time.monotonic) by which a send on it must have gone out
         self._watch: security.HandshakeWatch | None = None
@@ -293,8 +294,13 @@ class ShardServer:
             if self.apply_delay:
                 time.sleep(self.apply_delay)
             t = getattr(head, "t", None)
-            if t:
-                self.shm.resolve(t, frames)
+            if t and not self.shm.resolve(t, frames) and kind == wire.STATE:
+                # rewritten in the primary's reply area before it was read whole: nothing is
+                # installed, the broker asks the primary again (with frames)
+                self.core.stats["shm_states_torn"] = self.core.stats.get("shm_states_torn", 0) + 1
+                self.sock.send(wire.error(Code.SHM_TORN, f"the state of partition {head.p} was "
+                                          "rewritten before it was read", p=head.p))
+                continue
             try:
                 outs = self.core.handle(frames, head)
             except Exception:   # a bug must not take the shard down

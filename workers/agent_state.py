@@ -6,6 +6,12 @@ and the passing of time (:meth:`AgentState.tick`), and answers with typed action
 loop (:mod:`.agent`) carries out. Futures are resolved and the weight cache is fed here, under
 the condition the client's readers wait on. Time is read only from the injected ``clock``.
 
+A client that reads shared memory says so in its first heartbeat (sent at once) and its
+snapshots; a shard's reply may then reference the shard's reply area. Such a reply is copied
+out here (:meth:`AgentState._resolved`); one rewritten before it was read whole, or a broker's
+``SHM_TORN`` answer, is asked again under a new id, with frames (``shm: false``), for the same
+waiter (:meth:`AgentState._reask`): a reader never sees bytes other than the reply's.
+
 Broker silence is judged with the broker's own heartbeat interval, as WELCOME names it (``hb``;
 the default interval for a broker that does not say): silent after ``LIVENESS`` intervals
 without a heartbeat or reply, and never sooner than with the default interval (a broker
@@ -74,6 +80,7 @@ class AgentState:
         self.msg_futures: dict[int, Future] = {}    # msg -> Future of a push or init
         self.req_futures: dict[int, Future] = {}    # req -> Future of a request
         self.snap_parts: dict[int, list] = {}       # req -> [replies...]
+        self.snap_keys: dict[int, list] = {}        # req -> the keys it asked for
         self.row_parts: dict[int, dict] = {}        # req -> rows, versions, missing so far
         self.internal: dict[int, list[str]] = {}    # req -> keys of a re-snapshot with no waiter
         self.retries: list = []                     # (when, keys) re-snapshots to try again
@@ -82,6 +89,8 @@ class AgentState:
         self.shm = shm                              # a ClientShm, or None: frames only
         self.topic = wire.topic_partition_shm if shm is not None else wire.topic_partition
         self._hb = wire.pack(wire.HEARTBEAT, **({"shm": True} if shm is not None else {}))
+        if shm is not None:     # the broker learns at once that replies may reference shards'
+            self.last_hb = now - self.hb_every      # shared memory (the first tick says so)
 
     def take(self) -> list:
         """The actions decided since the last call, in order."""
@@ -102,7 +111,8 @@ class AgentState:
             self.out.append(Send(cmd.frames))
         elif t is ReadRows:
             self.req_futures[cmd.req] = cmd.future
-            self.row_parts[cmd.req] = {"rows": [], "tv": [], "missing": []}
+            self.row_parts[cmd.req] = {"rows": [], "tv": [], "missing": [],
+                                       "ask": cmd.frames[0]}
             self.out.append(Send(cmd.frames))
         elif t is Track:
             keys = []
@@ -133,8 +143,8 @@ class AgentState:
         for f in futs:
             if f is not None and not f.done():
                 f.set_exception(err)
-        for waiting in (self.msg_futures, self.req_futures, self.snap_parts, self.row_parts,
-                        self.internal):
+        for waiting in (self.msg_futures, self.req_futures, self.snap_parts, self.snap_keys,
+                        self.row_parts, self.internal):
             waiting.clear()
         with self.cond:
             self.cond.notify_all()
@@ -200,7 +210,10 @@ class AgentState:
 
     def _answer(self, kind: str, h) -> None:
         req = h.req
+        if kind == wire.ERROR and h.code == Code.SHM_TORN.value and self._reask(req):
+            return
         self.snap_parts.pop(req, None)
+        self.snap_keys.pop(req, None)
         self.row_parts.pop(req, None)
         keys = self.internal.pop(req, None)
         if keys is not None and kind == wire.ERROR:
@@ -273,25 +286,71 @@ class AgentState:
         return [(d.key, wire.decode_tensor(d, f, mtb, verify=d.ref is None), d.version or 0,
                  d.base) for d, f in zip(descs, frames) if keep is None or d.key in keep]
 
-    def _snapshot(self, keys: list[str], fut: Future | None) -> None:
+    def _snapshot(self, keys: list[str], fut: Future | None, frames: bool = False) -> None:
+        """Ask for ``keys``; ``frames``: with frames only (asked again after a torn reply)."""
         req = self.next_id()
         if fut is not None:
             self.req_futures[req] = fut
         else:
             self.internal[req] = keys
         self.snap_parts[req] = []
-        self.out.append(Send([wire.pack(wire.SNAPSHOT, req=req, keys=keys)]))
+        self.snap_keys[req] = keys
+        shm = {} if self.shm is None else {"shm": not frames}
+        self.out.append(Send([wire.pack(wire.SNAPSHOT, req=req, keys=keys, **shm)]))
+
+    def _resolved(self, h, frames) -> bool:
+        """A reply's tensors that reference a shard's reply area copied into ``frames``; False
+        when one was rewritten (or its segment is gone) before it was read whole."""
+        if not wire.has_refs(h.t):
+            return True
+        try:      # (refs to a client that reads no shared memory: asked again, with frames)
+            ok = self.shm is not None and self.shm.resolve(h, frames)
+        except WireError as e:
+            log.warning("shared memory: %s", e)
+            ok = False
+        if ok:
+            self.stats["shm_replies"] += 1
+        else:
+            self.stats["shm_torn_replies"] += 1
+        return ok
+
+    def _reask(self, req: int) -> bool:
+        """A read whose reply (or one of its parts) was torn: asked again under a new id, with
+        frames, for the same waiter; the parts already in are dropped (late ones too). False
+        when ``req`` is no read waiting."""
+        fut = self.req_futures.pop(req, None)
+        if req in self.snap_parts:
+            del self.snap_parts[req]
+            self.internal.pop(req, None)       # (a waiter's or not, as it was)
+            self._snapshot(self.snap_keys.pop(req), fut, frames=True)
+            return True
+        rows = self.row_parts.pop(req, None)
+        if rows is None:
+            if fut is not None:
+                self.req_futures[req] = fut
+            return False
+        new = self.next_id()
+        ask = wire.with_fields(rows["ask"], req=new, shm=False)
+        self.row_parts[new] = {"rows": [], "tv": [], "missing": [], "ask": ask}
+        if fut is not None:
+            self.req_futures[new] = fut
+        self.out.append(Send([ask]))
+        return True
 
     def _on_snapshot(self, h, frames) -> None:
         req = h.req
         got = self.snap_parts.get(req)
         if got is None:
             return   # a late reply to a request already answered or failed: nothing to decode
+        if not self._resolved(h, frames):
+            self._reask(req)
+            return
         blocks = self._blocks(h, frames)
         got.append((dict(h.parts), blocks, h.missing))
         if len(got) < h.of:
             return
         del self.snap_parts[req]
+        del self.snap_keys[req]
         keys = self.internal.pop(req, None)
         if keys:
             self.retry_count.pop(keys[0], None)
@@ -317,9 +376,14 @@ class AgentState:
         got = self.row_parts.get(req)
         if got is None:
             return
+        if not self._resolved(h, frames):
+            self._reask(req)
+            return
         mtb = self.max_tensor_bytes
         descs = h.descs(frames, mtb)
-        got["rows"].extend((d, wire.decode_tensor(d, f, mtb)) for d, f in zip(descs, frames))
+        # rows copied out of a reply area under matching stamps are not hashed again
+        got["rows"].extend((d, wire.decode_tensor(d, f, mtb, verify=d.ref is None))
+                           for d, f in zip(descs, frames))
         got["tv"].append(-1 if h.tv is None else h.tv)   # one per reply
         got["missing"] += h.missing
         if len(got["tv"]) < h.of:
@@ -389,6 +453,7 @@ class AgentState:
 
     def validate_state(self) -> None:
         assert self.row_parts.keys() <= self.req_futures.keys(), "rows read without a waiter"
+        assert self.snap_keys.keys() == self.snap_parts.keys(), "snapshot keys not kept"
         assert not (self.internal.keys() & self.req_futures.keys())
         assert [r[0] for r in self.retries] == sorted(r[0] for r in self.retries)
         if self.resend is not None:

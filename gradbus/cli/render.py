@@ -39,7 +39,8 @@ def status_text(st: dict, url: str) -> str:
         + (f" ({len(st['moves_in_progress'])} under way)" if st["moves_in_progress"] else "")
         + (f"  draining {','.join(st['draining'])}" if st["draining"] else ""),
         f"shm      {'offered' if st.get('shm') else 'off'}  freed {c.get('shm_freed', 0)}"
-        f"  inlined {c.get('shm_inlined', 0)}",
+        f"  inlined {c.get('shm_inlined', 0)}  states {c.get('shm_states', 0)}"
+        f"  torn {c.get('shm_states_torn', 0) + c.get('shm_torn_inline', 0)}",
         "",
         (f"{'SHARD':<16}{'STATE':<8}{'PRIMARY':>8}{'STANDBY':>8}{'SYNCING':>8}{'BYTES':>12}"
         f"{'APPLIED':>10}{'INFLIGHT':>10}{'SEEN':>8}{'SHM':>5}"),

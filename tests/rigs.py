@@ -521,3 +521,36 @@ class TcpListener:
         self.thread.join(10)
         for c in self.conns:
             c.close()
+
+
+# ----------------------------------------------------------------------------- child processes
+def spawn_code(code: str, *args) -> subprocess.Popen:
+    """``python -c code args...`` from the repository root, stdin and stdout piped (text)."""
+    from .child import ROOT
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def end_code(proc: subprocess.Popen) -> int:
+    """Close the child's stdin (its signal to stop), wait for it, close its stdout."""
+    try:
+        proc.stdin.close()
+    except BrokenPipeError:
+        pass
+    try:
+        return proc.wait(20)
+    finally:
+        proc.stdout.close()
+
+
+def replicas_agree(url: str, timeout: float = 60.0) -> int:
+    """Wait for full replication, then check every partition's replicas have one (seq,
+    digest); returns the number of partitions."""
+    from gradbus import admin
+    wait_for(lambda: admin.status(url)["under_replicated"] == 0, timeout, "full replication")
+    by_p: dict[int, set] = {}
+    for parts in admin.digest(url).values():
+        for p, seq_digest in parts.items():
+            by_p.setdefault(p, set()).add(tuple(seq_digest))
+    assert by_p and all(len(v) == 1 for v in by_p.values()), by_p
+    return len(by_p)

@@ -23,29 +23,12 @@ from gradbus.codecs import shm
 from gradbus.codecs.errors import Code, WireError
 
 from .child import ROOT
+from .rigs import end_code, spawn_code
 
 pytestmark = pytest.mark.usefixtures("shm_dir")
 
 CLUSTER = "0badc0de"
 OTHER = "12345678"
-
-
-def _spawn(code: str, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def _end(proc: subprocess.Popen) -> int:
-    """Close the child's stdin (its signal to stop), wait for it, close its stdout."""
-    try:
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
-    try:
-        return proc.wait(20)
-    finally:
-        proc.stdout.close()
-
 
 # ----------------------------------------------------------------------------- the push ring
 def _bytes(n: int, seed: int) -> bytes:
@@ -180,7 +163,7 @@ def test_board_reads_against_a_writer_process_are_never_torn():
     the whole version its stamp names; raw reads without the stamp checks do see torn blocks,
     so the race is real."""
     n = 256 << 10
-    proc = _spawn(BOARD_WRITER, CLUSTER, n)
+    proc = spawn_code(BOARD_WRITER, CLUSTER, n)
     reader = shm.Mapper()
     try:
         refs = json.loads(proc.stdout.readline())
@@ -206,7 +189,7 @@ def test_board_reads_against_a_writer_process_are_never_torn():
         assert raw_torn >= 1, "the writer never overlapped a read: the test proved nothing"
     finally:
         reader.close()
-        assert _end(proc) == 0
+        assert end_code(proc) == 0
 
 
 # ----------------------------------------------------------------------------- what a reader refuses
@@ -294,8 +277,8 @@ for s in segs:
 
 
 def test_sweep_removes_a_dead_owners_segments_only(shm_dir):
-    dead = _spawn(SEGMENT_OWNER)
-    live = _spawn(SEGMENT_OWNER)
+    dead = spawn_code(SEGMENT_OWNER)
+    live = spawn_code(SEGMENT_OWNER)
     mine = shm.Segment.create(CLUSTER, "w", 4096)
     try:
         dead_names = dead.stdout.readline().split()
@@ -321,14 +304,14 @@ def test_sweep_removes_a_dead_owners_segments_only(shm_dir):
     finally:
         if dead.poll() is None:
             dead.kill()
-        _end(dead)
-        assert _end(live) == 0
+        end_code(dead)
+        assert end_code(live) == 0
         mine.close()
     assert shm.segments() == []
 
 
 def test_a_zombie_owner_counts_as_dead():
-    proc = _spawn(SEGMENT_OWNER)
+    proc = spawn_code(SEGMENT_OWNER)
     try:
         names = proc.stdout.readline().split()
         proc.send_signal(signal.SIGKILL)
@@ -340,7 +323,7 @@ def test_a_zombie_owner_counts_as_dead():
             select.select([], [], [], 0.02)
         assert sorted(shm.sweep()) == sorted(names)
     finally:
-        _end(proc)
+        end_code(proc)
 
 
 # ----------------------------------------------------------------------------- no room
@@ -396,9 +379,9 @@ def test_a_segment_made_before_the_directory_filled_up_is_fully_writable(small_t
     """The pages are reserved at creation: filling the tmpfs afterwards and then writing every
     page of the segment never faults (a SIGBUS would end the child with -7)."""
     d = small_tmpfs("2m")
-    proc = _spawn(FILL_THEN_WRITE, d)
+    proc = spawn_code(FILL_THEN_WRITE, d)
     out = proc.stdout.read()
-    assert _end(proc) == 0 and out.strip() == "ok"
+    assert end_code(proc) == 0 and out.strip() == "ok"
     assert os.listdir(d) == []
 
 

@@ -23,7 +23,7 @@ from gradbus.codecs import shm
 from gradbus.codecs.partition import partition_of
 
 from .child import ROOT
-from .rigs import gradbus_segments, wait_for
+from .rigs import gradbus_segments, replicas_agree, wait_for
 
 pytestmark = pytest.mark.usefixtures("shm_dir")
 
@@ -146,7 +146,7 @@ def test_frames_from_a_client_without_shm_reach_the_shards_through_the_brokers_r
         assert counters.get("shm_freed", 0) == 0          # no client ring was involved
         wait_for(lambda: admin.status(cluster.url)["shm_relays_in_flight"] == 0, 20,
                  "the broker's relay slots freed")
-        _replicas_agree(cluster.url)
+        replicas_agree(cluster.url)
     cluster.stop()
     assert gradbus_segments(shm_dir) == []
 
@@ -183,16 +183,6 @@ def test_a_shard_without_shm_gets_ring_bytes_inlined(monkeypatch, shm_dir):
     assert gradbus_segments(shm_dir) == []
 
 
-def _replicas_agree(url: str) -> int:
-    wait_for(lambda: admin.status(url)["under_replicated"] == 0, 30, "full replication")
-    by_p: dict[int, set] = {}
-    for parts in admin.digest(url).values():
-        for p, seq_digest in parts.items():
-            by_p.setdefault(p, set()).add(tuple(seq_digest))
-    assert by_p and all(len(v) == 1 for v in by_p.values()), by_p
-    return len(by_p)
-
-
 def test_replicas_stay_bit_identical_and_the_standby_serves_exact_weights(make_cluster,
                                                                           shm_dir):
     cluster = make_cluster(3, replicas=2, broker_args=FAST_HB, shard_args=FAST_HB)
@@ -205,7 +195,7 @@ def test_replicas_stay_bit_identical_and_the_standby_serves_exact_weights(make_c
         c.pull(["w"])
         _push_n(c, {"w": g}, n1, acks="all")
         _freed(cluster.url, n1)           # freed once both replicas applied
-        _replicas_agree(cluster.url)
+        replicas_agree(cluster.url)
         owners = admin.partitions(cluster.url)["owners"]
         victim = owners[partition_of("w/0", len(owners))]
         cluster.kill_shard(victim, signal.SIGKILL)
@@ -218,7 +208,7 @@ def test_replicas_stay_bit_identical_and_the_standby_serves_exact_weights(make_c
         assert np.array_equal(c.pull(["w"], min_version=n1 + n2, timeout=30)["w"],
                               w0 - (n1 + n2) * LR * G)
         _freed(cluster.url, n1 + n2)
-        _replicas_agree(cluster.url)          # the third shard caught up: identical again
+        replicas_agree(cluster.url)          # the third shard caught up: identical again
     cluster.stop()
     assert gradbus_segments(shm_dir) == []
 

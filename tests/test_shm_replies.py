@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import msgpack
@@ -29,8 +27,7 @@ from gradbus.broker.shm_io import ShmIO
 from gradbus.codecs import shm, wire
 from gradbus.codecs.errors import WireError
 
-from .child import ROOT
-from .rigs import gradbus_segments, wait_for
+from .rigs import end_code, gradbus_segments, replicas_agree, spawn_code, wait_for
 
 pytestmark = pytest.mark.usefixtures("shm_dir")
 
@@ -38,24 +35,6 @@ CLUSTER = "0badc0de"
 LR = 0.25      # powers of two: every intermediate result is exact
 G = 0.5
 FAST_HB = ["--heartbeat-interval", "0.25", "--liveness", "8"]
-
-
-def _spawn(code: str, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=ROOT,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-
-def _end(proc: subprocess.Popen) -> int:
-    """Close the child's stdin (its signal to stop), wait for it, close its stdout."""
-    try:
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
-    try:
-        return proc.wait(20)
-    finally:
-        proc.stdout.close()
-
 
 # ----------------------------------------------------------------------------- the reply area
 def test_a_reply_area_holds_exact_bytes_a_reader_copies_out():
@@ -155,7 +134,7 @@ def test_reply_area_reads_against_a_writer_process_are_never_torn():
     under whatever stamp each holds now. A copy returned is always the whole reply its stamp
     names; raw reads without the checks do see mixed replies, so the race is real."""
     n = 300 << 10
-    proc = _spawn(AREA_WRITER, CLUSTER, n)
+    proc = spawn_code(AREA_WRITER, CLUSTER, n)
     reader = shm.Mapper()
     try:
         refs = json.loads(proc.stdout.readline())
@@ -181,7 +160,7 @@ def test_reply_area_reads_against_a_writer_process_are_never_torn():
         assert raw_mixed >= 1, "the writer never overlapped a read: the test proved nothing"
     finally:
         reader.close()
-        assert _end(proc) == 0
+        assert end_code(proc) == 0
 
 
 # ----------------------------------------------------------------------------- the broker's copy
@@ -221,16 +200,6 @@ def _counters(url: str) -> dict:
 
 def _shard_info(url: str, sid: str) -> dict:
     return next(s["info"] or {} for s in admin.status(url)["shards"] if s["id"] == sid)
-
-
-def _replicas_agree(url: str) -> int:
-    wait_for(lambda: admin.status(url)["under_replicated"] == 0, 60, "full replication")
-    by_p: dict[int, set] = {}
-    for parts in admin.digest(url).values():
-        for p, seq_digest in parts.items():
-            by_p.setdefault(p, set()).add(tuple(seq_digest))
-    assert by_p and all(len(v) == 1 for v in by_p.values()), by_p
-    return len(by_p)
 
 
 def _reply_segments(pid: int) -> list[str]:
@@ -298,7 +267,7 @@ def test_reads_and_a_catch_up_go_through_the_primarys_reply_area(make_cluster, s
     # a second shard catches up on every partition through shard-0's reply area
     cluster.add_shard("shard-1")
     cluster.wait_ready(2)
-    assert _replicas_agree(cluster.url) > 0
+    assert replicas_agree(cluster.url) > 0
     cnt = _counters(cluster.url)
     assert cnt["shm_states"] >= 1 and cnt.get("shm_states_torn", 0) == 0
     assert cnt["standbys_synced"] >= 1
@@ -381,7 +350,7 @@ def test_torn_replies_are_asked_again_and_come_out_exact(make_cluster, shm_dir):
     assert stats["shm_replies"] >= 2
     pid0 = cluster.shard_procs["shard-0"].pid
     (seg,) = _reply_segments(pid0)
-    wiper = _spawn(WIPER, seg)
+    wiper = spawn_code(WIPER, seg)
     try:
         assert wiper.stdout.readline().strip() == "wiping"
         torn = 0
@@ -392,14 +361,14 @@ def test_torn_replies_are_asked_again_and_come_out_exact(make_cluster, shm_dir):
         assert torn >= 2
         cluster.add_shard("shard-1")
         cluster.wait_ready(2)
-        assert _replicas_agree(cluster.url) > 0
+        assert replicas_agree(cluster.url) > 0
         st = admin.status(cluster.url)
         assert st["counters"]["shm_states_torn"] >= 1
         assert st["errors"]["shard_SHM_TORN"] == st["counters"]["shm_states_torn"]
         wait_for(lambda: _shard_info(cluster.url, "shard-1").get("shm_states_torn", 0) >= 1, 10,
                  "the standby to count its torn states")
     finally:
-        assert _end(wiper) == 0
+        assert end_code(wiper) == 0
     # the standby's copy is exact: it serves the same values once shard-0 is gone
     cluster.kill_shard("shard-0", signal.SIGKILL)
     wait_for(lambda: "shard-0" not in admin.partitions(cluster.url, timeout=1.0)["owners"], 20,

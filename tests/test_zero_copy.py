@@ -9,6 +9,7 @@ dropping one unpushed, a full ring, another codec, a client without shared memor
 from __future__ import annotations
 
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -329,4 +330,28 @@ def test_a_pull_into_the_callers_arrays_copies_there_once(make_cluster, shm_on):
             c.pull(["w"], out={"w": ro})
         with pytest.raises(ValueError, match="not pulled"):
             c.pull(["b"], out={"w": flat})
+    cluster.stop()
+
+
+def test_weights_held_as_board_references_outlive_their_shard(make_cluster, shm_dir):
+    """The cache holds a dead shard's last weights as references into its board: the board is
+    mapped when an update names it, so once the shard is SIGKILLed and its board swept, a
+    pull still returns those weights (as it does for weights held as bytes)."""
+    cluster = make_cluster(1)
+    w0 = (np.arange(5000) % 13).astype(np.float32)
+    with gradbus.connect(cluster.url, block_bytes=BLOCK) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        c.pull(["w"])
+        for _ in range(3):
+            c.push({"w": np.ones(5000, np.float32)}).result(30)
+        wait_for(lambda: c.version("w") == 3, 20, "the updates in the cache")
+        assert all(type(b.value) is BoardBlock for b in c.cache.blocks.values())
+        pid = cluster.shard_procs["shard-0"].pid
+        boards = {n for n in os.listdir(shm_dir) if f"-s{pid}-" in n}
+        assert boards
+        cluster.kill_shard("shard-0")
+        wait_for(lambda: not boards & set(os.listdir(shm_dir)), 30, "the dead shard's board swept")
+        got = c.pull(["w"], timeout=10)["w"]
+        assert np.array_equal(got, w0 - 3 * LR)
+        assert c.stats["board_refreshes"] == 0
     cluster.stop()

@@ -161,6 +161,9 @@ class ClientShm:
                 return None
             desc = wire.parse_desc(d, max_tensor_bytes)   # raw: n is the shape's bytes
             size = desc.nbytes // tcodec.DTYPES[desc.dtype].itemsize
+            # mapped now: a board whose shard dies and is swept stays readable while mapped,
+            # so the cache keeps serving the last weights it published
+            self.mapper.segment(desc.ref[0])
             out.append((desc, BoardBlock(self.mapper, desc.ref, tcodec.DTYPES[desc.dtype],
                                          size)))
         return out

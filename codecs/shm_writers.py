@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import os
 import struct
 import threading
 
@@ -218,7 +219,10 @@ class Board:
         self.segment_bytes = segment_bytes
         self.arenas: list[_Arena] = []
         self.slots: dict[str, list] = {}      # key -> [arena, offset, capacity, next version]
-        self.stamp = 0
+        # stamps count up from a random 56-bit start: bytes written where a given-up slot's
+        # stamp was (its partition moved) equal a stamp a reader still holds in a ref only by
+        # a chance of about 2^-56, not whenever they are small integers
+        self.stamp = int.from_bytes(os.urandom(7), "little") | 1
         self.failed: str | None = None
         self.stats = collections.Counter()
         self._grow(0)
@@ -240,7 +244,7 @@ class Board:
         if slot is not None and slot[2] >= n:
             return slot
         if slot is not None:        # the block's bytes grew (a compressing chain): a new place
-            slot[0].release(slot[1], 2 * (slot[2] + ALIGN))
+            self._give_up(slot)
             del self.slots[key]
         cap = -(-max(n, 1) // ALIGN) * ALIGN
         need = 2 * (cap + ALIGN)
@@ -284,7 +288,18 @@ class Board:
         for key in keys:
             slot = self.slots.pop(key, None)
             if slot is not None:
-                slot[0].release(slot[1], 2 * (slot[2] + ALIGN))
+                self._give_up(slot)
+
+    @staticmethod
+    def _give_up(slot) -> None:
+        """Free a block's place, its versions' stamps cleared first: a reader's ref into it
+        fails from now on, whatever is written there later (a stamp is never reused, and
+        bytes equal one only by chance: stamps start at random)."""
+        arena, off, cap = slot[0], slot[1], slot[2]
+        words = arena.seg.words
+        words[off >> 3] = 0
+        words[(off + cap + ALIGN) >> 3] = 0
+        arena.release(off, 2 * (cap + ALIGN))
 
     def close(self) -> None:
         for arena in self.arenas:

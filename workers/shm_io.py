@@ -29,6 +29,7 @@ class ClientShm:
         self.mapper = shm.Mapper()
         self.lock = threading.Lock()
         self.buffers: dict[int, tuple] = {}    # address -> (token, bytes, segment, offset)
+        self.handed_out = False                # whether a gradient buffer was ever made
 
     # -- gradient buffers ------------------------------------------------------------------------
     def gradient_buffer(self, shape: tuple, dtype) -> np.ndarray | None:
@@ -40,6 +41,7 @@ class ClientShm:
         if got is None:
             return None
         seg, off, token = got
+        self.handed_out = True
         whole = np.frombuffer(seg.mm, dtype, count, off)
         addr = whole.ctypes.data
         with self.lock:
@@ -53,6 +55,8 @@ class ClientShm:
         sends where they are (raw, not accumulated): name -> reservation. A buffer pushed
         before is refused: its memory may hold another push's bytes by now."""
         own = {}
+        if not self.handed_out:      # no gradient buffer ever: nothing to look for
+            return own
         for name, flat in flats.items():
             ent = self.reserved(flat)
             if ent is None:

@@ -340,9 +340,11 @@ mm.close()
 
 
 def test_torn_replies_are_asked_again_and_come_out_exact(make_cluster, shm_dir):
-    """A process keeps wiping the stamps of shard-0's reply area: every snapshot, rows read
-    and state that went through it reads as torn, is asked again with frames, and the values
-    come out exact; the standby catching up installs nothing torn."""
+    """A process keeps wiping the stamps of shard-0's reply area: every snapshot and rows read
+    that went through it reads as torn, is asked again with frames, and the values come out
+    exact. Then the area's segment is removed under it (a reader that has not mapped it cannot
+    read it whole, ever): the standby catching up installs nothing torn, and the state it is
+    sent again as frames is exact."""
     cluster = make_cluster(1, replicas=2, broker_args=FAST_HB, shard_args=FAST_HB)
     with gradbus.connect(cluster.url, block_bytes=4096) as c:
         expect, rows = _model(c, 4)
@@ -359,16 +361,17 @@ def test_torn_replies_are_asked_again_and_come_out_exact(make_cluster, shm_dir):
             if torn >= 2:
                 break
         assert torn >= 2
-        cluster.add_shard("shard-1")
-        cluster.wait_ready(2)
-        assert replicas_agree(cluster.url) > 0
-        st = admin.status(cluster.url)
-        assert st["counters"]["shm_states_torn"] >= 1
-        assert st["errors"]["shard_SHM_TORN"] == st["counters"]["shm_states_torn"]
-        wait_for(lambda: _shard_info(cluster.url, "shard-1").get("shm_states_torn", 0) >= 1, 10,
-                 "the standby to count its torn states")
     finally:
         assert end_code(wiper) == 0
+    os.unlink(os.path.join(shm_dir, seg))     # shard-0 still writes there; nobody new can read
+    cluster.add_shard("shard-1")
+    cluster.wait_ready(2)
+    assert replicas_agree(cluster.url) > 0
+    st = admin.status(cluster.url)
+    assert st["counters"]["shm_states_torn"] >= 1
+    assert st["errors"]["shard_SHM_TORN"] == st["counters"]["shm_states_torn"]
+    wait_for(lambda: _shard_info(cluster.url, "shard-1").get("shm_states_torn", 0) >= 1, 10,
+             "the standby to count its torn states")
     # the standby's copy is exact: it serves the same values once shard-0 is gone
     cluster.kill_shard("shard-0", signal.SIGKILL)
     wait_for(lambda: "shard-0" not in admin.partitions(cluster.url, timeout=1.0)["owners"], 20,

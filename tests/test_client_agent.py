@@ -182,7 +182,7 @@ def test_shutdown_fails_every_queued_and_waiting_future():
     state.fail_all(err, queued)
     futs = [waiting] + [c.future for c in queued if c.future is not None]
     assert len(futs) == 5 and all(f.exception(0) is err for f in futs)
-    assert not state.req_futures and not state.msg_futures and not state.row_parts
+    assert not state.req_futures and not state.msg_futures and not state.reads.row_parts
     state.validate_state()
 
 

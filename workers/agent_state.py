@@ -1,16 +1,18 @@
 """What the agent thread knows and decides, without a socket: :class:`AgentState`.
 
 It is fed the user's commands (:mod:`.commands`), the broker's replies and events (as frames),
-and the passing of time (:meth:`AgentState.tick`), and answers with typed actions, :class:`Send`
-(frames to the broker) and :class:`Subscribe` (a topic on the events socket), which the agent
-loop (:mod:`.agent`) carries out. Futures are resolved and the weight cache is fed here, under
-the condition the client's readers wait on. Time is read only from the injected ``clock``.
+and the passing of time (:meth:`AgentState.tick`), and answers with typed actions
+(:mod:`.actions`), ``Send`` (frames to the broker) and ``Subscribe`` (a topic on the events
+socket), which the agent loop (:mod:`.agent`) carries out. Futures are resolved and the weight
+cache is fed here, under the condition the client's readers wait on. Time is read only from
+the injected ``clock``. The snapshots and table reads in flight are its part
+:class:`~.reads_state.ReadState` (``reads``).
 
 A client that reads shared memory says so in its first heartbeat (sent at once) and its
 snapshots; a shard's reply may then reference the shard's reply area. Such a reply is copied
-out here (:meth:`AgentState._resolved`); one rewritten before it was read whole, or a broker's
+out (:meth:`ReadState.resolved`); one rewritten before it was read whole, or a broker's
 ``SHM_TORN`` answer, is asked again under a new id, with frames (``shm: false``), for the same
-waiter (:meth:`AgentState._reask`): a reader never sees bytes other than the reply's.
+waiter (:meth:`ReadState.reask`): a reader never sees bytes other than the reply's.
 
 Broker silence is judged with the broker's own heartbeat interval, as WELCOME names it (``hb``;
 the default interval for a broker that does not say): silent after ``LIVENESS`` intervals
@@ -24,31 +26,18 @@ import math
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from gradbus.codecs import messages, timing, wire
 from gradbus.codecs.errors import Code, WireError, error_from
 
+from .actions import Send, Subscribe
 from .commands import ReadRows, Refresh, Request, SendMessage, Stop, Track
+from .reads_state import ReadState
 from .resend import ResendTimer
 
 log = logging.getLogger("gradbus.client")
 
-SNAPSHOT_RETRY = 1.0         # seconds before a failed re-snapshot is tried again, doubling ...
-SNAPSHOT_RETRY_MAX = 30.0    # ... up to this
 _TABLE, _HEARTBEAT, _UPDATE = (frozenset({k}) for k in (wire.TABLE, wire.HEARTBEAT, wire.UPDATE))
-
-
-@dataclass(frozen=True, slots=True)
-class Send:
-    """Send ``frames`` to the broker on the DEALER."""
-    frames: list
-
-
-@dataclass(frozen=True, slots=True)
-class Subscribe:
-    """Subscribe the events socket to ``topic``."""
-    topic: bytes
 
 
 def broker_interval(welcome: dict) -> float:
@@ -79,12 +68,7 @@ class AgentState:
         self.async_errors: list = []                # errors of pushes nobody waits on
         self.msg_futures: dict[int, Future] = {}    # msg -> Future of a push or init
         self.req_futures: dict[int, Future] = {}    # req -> Future of a request
-        self.snap_parts: dict[int, list] = {}       # req -> [replies...]
-        self.snap_keys: dict[int, list] = {}        # req -> the keys it asked for
-        self.row_parts: dict[int, dict] = {}        # req -> rows, versions, missing so far
-        self.internal: dict[int, list[str]] = {}    # req -> keys of a re-snapshot with no waiter
-        self.retries: list = []                     # (when, keys) re-snapshots to try again
-        self.retry_count: dict[str, int] = {}       # first key -> failed attempts in a row
+        self.reads = ReadState(self)                # snapshots and table reads in flight
         self.out: list = []
         self.shm = shm                              # a ClientShm, or None: frames only
         self.topic = wire.topic_partition_shm if shm is not None else wire.topic_partition
@@ -111,8 +95,7 @@ class AgentState:
             self.out.append(Send(cmd.frames))
         elif t is ReadRows:
             self.req_futures[cmd.req] = cmd.future
-            self.row_parts[cmd.req] = {"rows": [], "tv": [], "missing": [],
-                                       "ask": cmd.frames[0]}
+            self.reads.rows(cmd.req, cmd.frames)
             self.out.append(Send(cmd.frames))
         elif t is Track:
             keys = []
@@ -143,9 +126,9 @@ class AgentState:
         for f in futs:
             if f is not None and not f.done():
                 f.set_exception(err)
-        for waiting in (self.msg_futures, self.req_futures, self.snap_parts, self.snap_keys,
-                        self.row_parts, self.internal):
+        for waiting in (self.msg_futures, self.req_futures):
             waiting.clear()
+        self.reads.clear()
         with self.cond:
             self.cond.notify_all()
 
@@ -164,9 +147,7 @@ class AgentState:
                 self.cond.notify_all()
             if silent:
                 self.stats["broker_silences"] += 1
-        if self.retries and self.retries[0][0] <= now:
-            _, keys = self.retries.pop(0)
-            self._snapshot(keys, None)
+        self.reads.due(now)
         if self.resend is not None and self.resend.unsettled:
             for frames in self.resend.due(now):
                 self.stats["resends"] += 1
@@ -198,9 +179,9 @@ class AgentState:
             if self.shm is not None:
                 self.stats["shm_freed"] += self.shm.free(m.msgs)
         elif kind == wire.SNAPSHOT_REPLY:
-            self._on_snapshot(m, frames[1:])
+            self.reads.on_snapshot(m, frames[1:])
         elif kind == wire.ROWS_REPLY:
-            self._on_rows(m, frames[1:])
+            self.reads.on_rows(m, frames[1:])
         elif kind in (wire.CATALOG_REPLY, wire.STATUS_REPLY) or (kind == wire.ERROR
                                                                  and m.req is not None):
             self._answer(kind, m)
@@ -210,20 +191,8 @@ class AgentState:
 
     def _answer(self, kind: str, h) -> None:
         req = h.req
-        if kind == wire.ERROR and h.code == Code.SHM_TORN.value and self._reask(req):
+        if self.reads.answered(kind, h):
             return
-        self.snap_parts.pop(req, None)
-        self.snap_keys.pop(req, None)
-        self.row_parts.pop(req, None)
-        keys = self.internal.pop(req, None)
-        if keys is not None and kind == wire.ERROR:
-            # a re-snapshot failed (e.g. the shard is down): try again later
-            n = self.retry_count.get(keys[0], 0) + 1 if keys else 1
-            if keys:
-                self.retry_count[keys[0]] = n
-            delay = min(SNAPSHOT_RETRY * 2 ** (n - 1), SNAPSHOT_RETRY_MAX)
-            self.retries.append((self.clock() + delay, keys))
-            self.retries.sort(key=lambda r: r[0])
         fut = self.req_futures.pop(req, None)
         if fut is not None and not fut.done():
             if kind == wire.ERROR:
@@ -276,7 +245,7 @@ class AgentState:
                 fut.set_result(h.header)
         return True
 
-    def _blocks(self, h, frames, keep=None) -> list:
+    def decode_blocks(self, h, frames, keep=None) -> list:
         """Validated, checksummed and decoded ``(key, array, version, base)`` of a message's
         tensors (only keys in ``keep``, when given)."""
         mtb = self.max_tensor_bytes
@@ -286,116 +255,8 @@ class AgentState:
         return [(d.key, wire.decode_tensor(d, f, mtb, verify=d.ref is None), d.version or 0,
                  d.base) for d, f in zip(descs, frames) if keep is None or d.key in keep]
 
-    def _snapshot(self, keys: list[str], fut: Future | None, frames: bool = False) -> None:
-        """Ask for ``keys``; ``frames``: with frames only (asked again after a torn reply)."""
-        req = self.next_id()
-        if fut is not None:
-            self.req_futures[req] = fut
-        else:
-            self.internal[req] = keys
-        self.snap_parts[req] = []
-        self.snap_keys[req] = keys
-        shm = {} if self.shm is None else {"shm": not frames}
-        self.out.append(Send([wire.pack(wire.SNAPSHOT, req=req, keys=keys, **shm)]))
-
-    def _resolved(self, h, frames) -> bool:
-        """A reply's tensors that reference a shard's reply area copied into ``frames``; False
-        when one was rewritten (or its segment is gone) before it was read whole."""
-        if not wire.has_refs(h.t):
-            return True
-        try:      # (refs to a client that reads no shared memory: asked again, with frames)
-            ok = self.shm is not None and self.shm.resolve(h, frames)
-        except WireError as e:
-            log.warning("shared memory: %s", e)
-            ok = False
-        if ok:
-            self.stats["shm_replies"] += 1
-        else:
-            self.stats["shm_torn_replies"] += 1
-        return ok
-
-    def _reask(self, req: int) -> bool:
-        """A read whose reply (or one of its parts) was torn: asked again under a new id, with
-        frames, for the same waiter; the parts already in are dropped (late ones too). False
-        when ``req`` is no read waiting."""
-        fut = self.req_futures.pop(req, None)
-        if req in self.snap_parts:
-            del self.snap_parts[req]
-            self.internal.pop(req, None)       # (a waiter's or not, as it was)
-            self._snapshot(self.snap_keys.pop(req), fut, frames=True)
-            return True
-        rows = self.row_parts.pop(req, None)
-        if rows is None:
-            if fut is not None:
-                self.req_futures[req] = fut
-            return False
-        new = self.next_id()
-        ask = wire.with_fields(rows["ask"], req=new, shm=False)
-        self.row_parts[new] = {"rows": [], "tv": [], "missing": [], "ask": ask}
-        if fut is not None:
-            self.req_futures[new] = fut
-        self.out.append(Send([ask]))
-        return True
-
-    def _on_snapshot(self, h, frames) -> None:
-        req = h.req
-        got = self.snap_parts.get(req)
-        if got is None:
-            return   # a late reply to a request already answered or failed: nothing to decode
-        if not self._resolved(h, frames):
-            self._reask(req)
-            return
-        blocks = self._blocks(h, frames)
-        got.append((dict(h.parts), blocks, h.missing))
-        if len(got) < h.of:
-            return
-        del self.snap_parts[req]
-        del self.snap_keys[req]
-        keys = self.internal.pop(req, None)
-        if keys:
-            self.retry_count.pop(keys[0], None)
-        missing = [m for _, _, ms in got for m in ms]
-        with self.cond:
-            again = set()
-            for parts, blocks, _ in got:
-                again.update(self.cache.on_snapshot(parts, blocks))
-            self.cond.notify_all()
-        for p in again:
-            self._snapshot(self.cache.resync_keys(p), None)
-        fut = self.req_futures.pop(req, None)
-        if fut is not None and not fut.done():
-            if missing:
-                fut.set_exception(error_from(Code.UNKNOWN_KEY.value,
-                                             f"not held by any shard: {missing[:5]}"))
-            else:
-                fut.set_result(None)
-
-    def _on_rows(self, h, frames) -> None:
-        """One shard's part of a table read; the Future resolves once every part is in."""
-        req = h.req
-        got = self.row_parts.get(req)
-        if got is None:
-            return
-        if not self._resolved(h, frames):
-            self._reask(req)
-            return
-        mtb = self.max_tensor_bytes
-        descs = h.descs(frames, mtb)
-        # rows copied out of a reply area under matching stamps are not hashed again
-        got["rows"].extend((d, wire.decode_tensor(d, f, mtb, verify=d.ref is None))
-                           for d, f in zip(descs, frames))
-        got["tv"].append(-1 if h.tv is None else h.tv)   # one per reply
-        got["missing"] += h.missing
-        if len(got["tv"]) < h.of:
-            return
-        del self.row_parts[req]
-        fut = self.req_futures.pop(req, None)
-        if fut is not None and not fut.done():
-            if got["missing"]:
-                fut.set_exception(error_from(Code.UNKNOWN_KEY.value, f"partitions "
-                                             f"{got['missing'][:8]} of the table are not held"))
-            else:     # the rows, and the table's version when the broker sent the read
-                fut.set_result((got["rows"], min(got["tv"])))
+    def _snapshot(self, keys: list[str], fut: Future | None) -> None:
+        self.reads.snapshot(keys, fut)
 
     # -- events on the SUB -------------------------------------------------------------------------
     def event(self, frames) -> None:
@@ -442,7 +303,7 @@ class AgentState:
             self.stats["shm_torn"] += 1     # rewritten before it was read: the gap re-snapshots
             return
         else:
-            blocks = self._blocks(h, tensors, part.keys)
+            blocks = self.decode_blocks(h, tensors, part.keys)
         with self.cond:
             gap = self.cache.on_update(h.p, h.seq, blocks)
             self.cond.notify_all()
@@ -452,10 +313,7 @@ class AgentState:
             self._snapshot(self.cache.resync_keys(h.p), None)
 
     def validate_state(self) -> None:
-        assert self.row_parts.keys() <= self.req_futures.keys(), "rows read without a waiter"
-        assert self.snap_keys.keys() == self.snap_parts.keys(), "snapshot keys not kept"
-        assert not (self.internal.keys() & self.req_futures.keys())
-        assert [r[0] for r in self.retries] == sorted(r[0] for r in self.retries)
+        self.reads.validate_state()
         if self.resend is not None:
             self.resend.validate_state()
         self.credit.validate_state()

@@ -1,0 +1,17 @@
+"""What the client's agent state decides and the agent loop (:mod:`.agent`) carries out: one
+frozen dataclass per action."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Send ``frames`` to the broker on the DEALER."""
+    frames: list
+
+
+@dataclass(frozen=True, slots=True)
+class Subscribe:
+    """Subscribe the events socket to ``topic``."""
+    topic: bytes

@@ -355,3 +355,30 @@ def test_weights_held_as_board_references_outlive_their_shard(make_cluster, shm_
         assert np.array_equal(got, w0 - 3 * LR)
         assert c.stats["board_refreshes"] == 0
     cluster.stop()
+
+
+def test_accumulation_by_threshold_sends_a_sum_whose_weights_cannot_be_read_now():
+    """The threshold filter compares a sum with the weights' norm; with a block rewritten in
+    its board (unreadable until its update comes) the sum is sent, never an error."""
+    import collections
+
+    from gradbus.workers.pipeline import PushPipeline
+    board = shm.Board("00c0ffee", segment_bytes=1 << 20)
+    cache, publish, apply, mapper = _board_cache(board, n=8, block=8, P=1)
+    try:
+        apply(publish(1.0))
+        pipe = PushPipeline(cache, True, np.random.default_rng(0))
+        pipe.configure(1, threshold=10.0)
+        stats = collections.Counter()
+        small = {"w": np.full(8, 0.01, np.float32)}
+        assert pipe.add(small, "raw", 1, stats)[0] == {}          # below 10x the weights' norm
+        publish(2.0)
+        publish(3.0)                                              # 1.0 rewritten twice
+        cache.joined.clear()            # (else the read before is served again, as it was)
+        assert cache.tensor("w") is None
+        due, counts = pipe.add(small, "raw", 1, stats)
+        assert list(due) == ["w"] and counts == {"w": 2}
+        assert np.allclose(due["w"], 0.02)
+    finally:
+        mapper.close()
+        board.close()

@@ -118,6 +118,8 @@ class PushPipeline:
         if not self.cache.tracked(name):
             return True
         w = self.cache.tensor(name)
+        if w is None:       # a block rewritten in its board, its update on the way: send it
+            return True
         return float(np.linalg.norm(ent[0])) >= self.threshold * float(np.linalg.norm(w))
 
     def take_all(self) -> dict[tuple, dict]:

@@ -88,7 +88,7 @@ def tensor_spec(t, kind: str = "init", default_rule: dict | None = None) -> Tens
     if type(name) is not str or not name or len(name) > MAX_NAME_LEN or "\x00" in name:
         raise WireError(Code.BAD_FIELD, f"{kind}: tensor name must be a non-empty string, "
                                         f"got {name!r}")
-    if dtype not in tensor.PARAM_DTYPES:
+    if type(dtype) is not str or dtype not in tensor.PARAM_DTYPES:
         raise WireError(Code.BAD_DTYPE, f"{kind}: tensor {name} dtype: parameters must be "
                                         f"float32 or float64, not {dtype!r}")
     if (type(shape) is not list or len(shape) > MAX_NDIM

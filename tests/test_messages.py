@@ -255,6 +255,7 @@ BAD_TENSORS = {   # an INIT tensor map: refused in its turn, with the code secti
     "not a map": (5, Code.BAD_FIELD, "init: tensors"),
     "name": ({**LAYOUT, "name": ""}, Code.BAD_FIELD, "tensor name"),
     "dtype": ({**LAYOUT, "dtype": "int32"}, Code.BAD_DTYPE, "float32 or float64"),
+    "dtype type": ({**LAYOUT, "dtype": []}, Code.BAD_DTYPE, "float32 or float64"),
     "shape": ({**LAYOUT, "shape": [0]}, Code.BAD_SHAPE, "shape"),
     "shape type": ({**LAYOUT, "shape": 8}, Code.BAD_SHAPE, "shape"),
     "block": ({**LAYOUT, "block": 0}, Code.BAD_FIELD, "block"),

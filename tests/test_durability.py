@@ -181,6 +181,9 @@ def test_broker_restart_loses_no_acknowledged_update(replicas):
             wait_for(lambda: _alive(url) == 2, 30, "the shards to register again")
             if replicas > 1:
                 wait_for(lambda: admin.status(url)["under_replicated"] == 0, 30, "replicas")
+            # the client may have called the broker silent while it was down (flush then
+            # raises at once); its SUB reconnects with back-off: wait until it hears again
+            wait_for(lambda: c.broker_alive, 30, "the client to hear the broker again")
             for _ in range(n):
                 c.push({"w": np.ones_like(w0)})
             c.flush(30)

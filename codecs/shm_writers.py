@@ -145,13 +145,6 @@ class Ring:
             refs.append([arena.seg.name, off])
         return refs
 
-    def address(self, name: str, off: int) -> int:
-        """The address in this process of byte ``off`` of segment ``name`` (one of the ring's)."""
-        for arena in self.arenas:
-            if arena.seg.name == name:
-                return arena.seg.address + off
-        raise KeyError(name)
-
     def bind(self, msg: int, tokens) -> None:
         """Hold reserved slots (their tokens) for push ``msg`` from now on: FREE of ``msg``
         releases them with its other slots."""

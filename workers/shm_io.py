@@ -28,7 +28,8 @@ class ClientShm:
         self.ring = shm.Ring(cluster, int(window_bytes * RING_SLACK) + shm.MIN_RING_SEGMENT)
         self.mapper = shm.Mapper()
         self.lock = threading.Lock()
-        self.buffers: dict[int, tuple] = {}    # address -> (token, bytes, segment, offset)
+        # address -> (token, bytes, segment, offset, address): the gradient buffers not pushed
+        self.buffers: dict[int, tuple] = {}
         self.handed_out = False                # whether a gradient buffer was ever made
 
     # -- gradient buffers ------------------------------------------------------------------------
@@ -45,7 +46,7 @@ class ClientShm:
         whole = np.frombuffer(seg.mm, dtype, count, off)
         addr = whole.ctypes.data
         with self.lock:
-            self.buffers[addr] = (token, whole.nbytes, seg.name, off)
+            self.buffers[addr] = (token, whole.nbytes, seg.name, off, addr)
         # on the array every view of the buffer has as its base: the slot outlives them all
         weakref.finalize(whole, self._dropped, addr, token)
         return whole.reshape(shape)
@@ -94,17 +95,15 @@ class ClientShm:
         """These buffers are pushed: no longer the caller's to push again."""
         with self.lock:
             for ent in ents:
-                addr = next((a for a, e in self.buffers.items() if e is ent), None)
-                if addr is not None:
-                    del self.buffers[addr]
+                if self.buffers.get(ent[4]) is ent:
+                    del self.buffers[ent[4]]
 
     def _in_place(self, buf, ents):
         """The ref of ``buf`` when it lies inside one of the reservations ``ents``."""
         if not isinstance(buf, np.ndarray) or not buf.flags.c_contiguous:
             return None
         addr = buf.ctypes.data
-        for _token, n, seg, off in ents:
-            base = self.ring.address(seg, off)
+        for _token, n, seg, off, base in ents:
             if base <= addr and addr + buf.nbytes <= base + n:
                 return [seg, off + addr - base]
         return None

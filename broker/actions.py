@@ -91,6 +91,7 @@ class SyncLog:
 class ReadLog:
     identity: bytes
     frames: list
+    key: str | None = None     # the sender's CURVE key (None: CURVE off)
 
 
 @dataclass(frozen=True, slots=True)

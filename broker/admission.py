@@ -1,10 +1,12 @@
 """Who may say what to the broker's core: the roles an authenticated key needs for each
 message (the table is :func:`gradbus.codecs.security.permits`), and the refusal of a REGISTER
-that would take over the id of a shard alive on another connection. Refusals are counted in
-the core's ``errors`` (by code) and logged once per kind of refusal. No I/O here.
+that would take over the id of a shard alive on another connection, or (with CURVE) the id
+another key registered. Refusals are counted in the core's ``errors`` (by code) and logged
+once per kind of refusal. No I/O here.
 """
 from __future__ import annotations
 
+import hmac
 import logging
 
 from gradbus.codecs import security
@@ -39,25 +41,38 @@ class Admission:
         return msg
 
     @staticmethod
-    def takes_over(s, identity: bytes, now: float, deadline: float) -> bool:
-        """Whether a REGISTER for shard ``s`` (its record, or None for a new id) from
-        ``identity`` would take the id of a shard alive on another connection. It may proceed
-        when the id is new, its shard is dead, the REGISTER comes on the shard's own
-        connection (its routing id: a restart or reconnect, which ROUTER_HANDOVER makes the
-        only connection with that id), or the shard's connection has been silent past
-        ``deadline`` (liveness)."""
-        return not (s is None or not s.alive or identity == s.identity
-                    or now - s.last_seen > deadline)
+    def claim(s, identity: bytes, key: str | None, lease: bytes | None, now: float,
+              deadline: float) -> str | None:
+        """Why a REGISTER for shard ``s`` (its record, or None for a new id) from connection
+        ``identity`` (CURVE ``key``, None with CURVE off; ``lease``, the one it presents)
+        may not take the id, else None. A routing id is no credential: what binds a shard's
+        name to a connection is an accepted REGISTER, and what lets a new connection take a
+        live shard's name is its CURVE key (with CURVE) and the lease its last REGISTERED gave
+        it (a reconnect of the same process). It may proceed when the id is new, the
+        REGISTER comes on the shard's own connection, its shard is dead or silent past
+        ``deadline`` (liveness), or it presents the shard's lease. With CURVE, a name is
+        bound to the key that first registered it: another key never takes it."""
+        if s is None:
+            return None
+        if key is not None and s.key is not None and key != s.key:
+            return (f"shard id {s.id} is bound to another CURVE key; register this shard "
+                    "under another id")
+        if (identity == s.identity or not s.alive or now - s.last_seen > deadline
+                or (lease is not None and s.lease is not None
+                    and hmac.compare_digest(lease, s.lease))):
+            return None
+        return (f"shard id {s.id} is in use by a live shard on another connection (heard "
+                f"{now - s.last_seen:.2f}s ago); a replacement may register once that one is "
+                f"silent for {deadline:.2f}s")
 
-    def register_refusal(self, s, identity: bytes, now: float, deadline: float) -> str | None:
-        """None when a REGISTER for shard ``s`` from ``identity`` may proceed (see
-        :meth:`takes_over`); else the SHARD_ID_IN_USE message (counted, logged)."""
-        if not self.takes_over(s, identity, now, deadline):
+    def register_refusal(self, s, identity: bytes, key: str | None, lease: bytes | None,
+                         now: float, deadline: float) -> str | None:
+        """None when a REGISTER for shard ``s`` may proceed (see :meth:`claim`); else the
+        SHARD_ID_IN_USE message (counted, logged once per shard and connection)."""
+        msg = self.claim(s, identity, key, lease, now, deadline)
+        if msg is None:
             return None
         self.errors[Code.SHARD_ID_IN_USE.value] += 1
-        msg = (f"shard id {s.id} is in use by a live shard on another connection (heard "
-               f"{now - s.last_seen:.2f}s ago); a replacement may register once that one is "
-               f"silent for {deadline:.2f}s")
         self._once(("register", s.id, identity), "refused a register from %r: %s",
                    identity[:32], msg)
         return msg

@@ -4,7 +4,9 @@ live shard's id refused), APPLIED (publishes, versions, settlement), a catch-up'
 end, and a shard's death (failover, failed work)."""
 from __future__ import annotations
 
+import hmac
 import logging
+import secrets
 
 from gradbus.codecs import wire
 from gradbus.codecs.errors import Code
@@ -13,6 +15,8 @@ from .actions import INLINE_REPLY, Publish, ToShard
 from .rebalance import state_req
 
 log = logging.getLogger("gradbus.broker")
+
+LEASE_BYTES = 16      # a registration's lease (protocol section 6.10)
 
 
 class ShardEvents:
@@ -35,13 +39,19 @@ class ShardEvents:
         return Publish(self.table.message())
 
     # ------------------------------------------------------------------ registration
-    def register(self, identity: bytes, h, now: float) -> list:
-        """A typed REGISTER (its id and holds were checked when it was unpacked)."""
+    def register(self, identity: bytes, h, now: float, key: str | None = None) -> list:
+        """A typed REGISTER (its id and holds were checked when it was unpacked) from
+        connection ``identity``, sent with CURVE ``key`` (None: CURVE off)."""
         sid = h.shard
-        refused = self.admission.register_refusal(self.members.shards.get(sid), identity, now,
+        known = self.members.shards.get(sid)
+        refused = self.admission.register_refusal(known, identity, key, h.lease, now,
                                                   self.settings.shard_deadline)
         if refused is not None:      # the live shard keeps its id and its partitions
             return [ToShard(identity, [wire.error(Code.SHARD_ID_IN_USE, refused)])]
+        # the same process again (its own connection, or its lease) keeps its lease
+        keep = known is not None and known.lease is not None and (
+            identity == known.identity
+            or (h.lease is not None and hmac.compare_digest(h.lease, known.lease)))
         holds = {p: (epoch, seq) for p, epoch, seq in h.holds}
         rec, tb = self.recovery, self.table
         if holds or h.rejoin:
@@ -99,8 +109,13 @@ class ShardEvents:
         self.members.by_identity[identity] = sid
         tb.bump()
         s.shm = h.shm and self.shm_on
+        if s.key is None:
+            s.key = key             # with CURVE, the name is this key's from now on
+        if not keep:
+            s.lease = secrets.token_bytes(LEASE_BYTES)
         actions.append(ToShard(identity, [wire.pack(wire.REGISTERED, shard=sid,
-                                                    partitions=self.P, shm=s.shm)]))
+                                                    partitions=self.P, shm=s.shm,
+                                                    lease=s.lease)]))
         if rec.replay is not None:
             rec.replay_orphans()
         if drop:
@@ -108,11 +123,11 @@ class ShardEvents:
         actions.append(self._table_msg())
         return actions
 
-    def takes_over(self, identity: bytes, h, now: float) -> bool:
-        """A REGISTER of a known shard's id (``h.shard``) that would be refused
-        SHARD_ID_IN_USE (see :meth:`~.admission.Admission.takes_over`)."""
-        return self.admission.takes_over(self.members.shards.get(h.shard), identity, now,
-                                         self.settings.shard_deadline)
+    def claim(self, identity: bytes, h, key: str | None, now: float) -> str | None:
+        """Why a REGISTER of shard id ``h.shard`` would be refused SHARD_ID_IN_USE, else None
+        (see :meth:`~.admission.Admission.claim`)."""
+        return self.admission.claim(self.members.shards.get(h.shard), identity, key, h.lease,
+                                    now, self.settings.shard_deadline)
 
     def _adopt(self, s, p: int, state: tuple, nbytes: int) -> bool:
         """Whether a registering shard's copy of partition p (at ``state`` = (epoch, seq))

@@ -394,10 +394,11 @@ class BrokerCore:
 
     # ------------------------------------------------------------------ backend
     def on_backend(self, identity: bytes, frames: list, now: float, log_index=None,
-                   roles=None) -> list:
+                   roles=None, key: str | None = None) -> list:
         """A shard's message. ``log_index``: this broker's update log, read by the loop for a
         REGISTER the core answered with :class:`~.actions.ReadLog` (its roles were checked
-        when it arrived); ``roles``: the sender's CURVE key's roles (None with CURVE off)."""
+        when it arrived); ``roles``: the sender's CURVE key's roles, ``key`` the key (both
+        None with CURVE off)."""
         if log_index is None:
             self.meters.counters["backend_msgs"] += 1
         self.now = self.settlement.now = self.recovery.now = now
@@ -420,11 +421,11 @@ class BrokerCore:
                 self.meters.errors[e.code.value] += 1
                 return [ToShard(identity, [wire.error(e.code, str(e.args[0]))])]
             if (log_index is None and self.recovery.needs_log(m)
-                    and not ev.takes_over(identity, m, now)):   # refused without the log
-                return [ReadLog(identity, frames)]
+                    and ev.claim(identity, m, key, now) is None):   # refused without the log
+                return [ReadLog(identity, frames, key)]
             self.recovery.log_index = log_index
             try:
-                return self._coalesce(ev.register(identity, m, now))
+                return self._coalesce(ev.register(identity, m, now, key))
             finally:
                 self.recovery.log_index = None
         s = self.members.shard_of(identity)

@@ -24,6 +24,8 @@ class ShardInfo:
     snapshots: list = field(default_factory=list)  # outstanding (client, req)
     queued_snapshots: list = field(default_factory=list)  # (client, req, keys, of, rows, shm)
     shm: bool = False                     # reads pushes from, and publishes into, shared memory
+    key: str | None = None                # the CURVE key that registered it (None: CURVE off)
+    lease: bytes | None = None            # what a REGISTER from a new connection presents
 
 
 @dataclass(slots=True)
@@ -80,6 +82,10 @@ class Membership:
         return s
 
     def revive(self, s: ShardInfo, identity: bytes, now: float) -> None:
+        """``s`` registered again, on connection ``identity``: its old connection no longer
+        speaks for it."""
+        if identity != s.identity and self.by_identity.get(s.identity) == s.id:
+            del self.by_identity[s.identity]
         s.identity, s.alive, s.last_seen, s.inflight = identity, True, now, 0
 
     def silent_shards(self, now: float) -> list[ShardInfo]:
@@ -98,6 +104,9 @@ class Membership:
         for ident, sid in self.by_identity.items():
             if sid not in self.shards:
                 problems.append(f"identity {ident!r} names unknown shard {sid}")
+            elif self.shards[sid].identity != ident:
+                problems.append(f"identity {ident!r} names shard {sid}, registered on "
+                                f"{self.shards[sid].identity!r}")
         for s in self.shards.values():
             if s.inflight < 0:
                 problems.append(f"shard {s.id} has {s.inflight} batches in flight")

@@ -1,14 +1,16 @@
 """The broker process: three sockets around :class:`~gradbus.broker.core.BrokerCore`.
 
 * frontend ROUTER (clients; shards' discovery HELLO), ``ROUTER_MANDATORY`` and ``ROUTER_HANDOVER``;
-* backend ROUTER (shards), same options;
+* backend ROUTER (shards), ``ROUTER_MANDATORY`` without ``ROUTER_HANDOVER``: a routing id is
+  no credential, and a peer connecting with one in use is ignored (the shard keeps its route);
 * events XPUB (weight updates by partition topic, the partition table, heartbeats).
 
 With ``curve`` (a :class:`~gradbus.codecs.security.Curve` holding the broker's key pair and an
 allow directory) all three are CURVE servers and a ZAP thread admits only the allowed keys.
 Each message then reaches the core with the roles of the key that sent it (libzmq attaches the
 ZAP user id, the sender's Z85 public key, to every message as its ``User-Id`` property; the
-allow list maps it to roles); the core refuses what those roles do not permit.
+allow list maps it to roles); the core refuses what those roles do not permit. A backend
+message also carries the key itself: a shard's name is bound to the key that registered it.
 
 The loop drains what is ready (backend first, so credit returns before new work is batched),
 then flushes batches: pushes that arrived together for a partition go to its shard as one batch.
@@ -106,8 +108,12 @@ class BrokerServer:
                                              "(--curve-allow DIR)")
             # the ZAP handler must answer before the first connection is accepted
             self.auth = security.Authenticator(self.ctx, curve.allow).start()
-        self.frontend = self._router(sndtimeo=0)     # never stall the loop on one slow client
-        self.backend = self._router(sndtimeo=1000)   # shards: bounded by credit, so rarely full
+        # never stall the loop on one slow client; a client that reconnects keeps its id
+        self.frontend = self._router(sndtimeo=0, handover=True)
+        # shards: bounded by credit, so rarely full. No handover: a peer connecting with a live
+        # shard's routing id must not take its route (shards pick a fresh random one per
+        # connection; a REGISTER binds the shard's name to it)
+        self.backend = self._router(sndtimeo=1000, handover=False)
         self.events = self.ctx.socket(zmq.XPUB)
         net.tune(self.events)
         self.events.sndhwm = EVENTS_SNDHWM
@@ -121,11 +127,11 @@ class BrokerServer:
         self.backend_port = self._bind(self.backend, backend_port)
         self.events_port = self._bind(self.events, events_port)
 
-    def _router(self, sndtimeo: int):
+    def _router(self, sndtimeo: int, handover: bool):
         s = self.ctx.socket(zmq.ROUTER)
         net.tune(s)
         s.router_mandatory = 1
-        s.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        s.setsockopt(zmq.ROUTER_HANDOVER, int(handover))
         s.sndtimeo = sndtimeo
         return s
 
@@ -165,8 +171,8 @@ class BrokerServer:
                         self.log.sync()
                     case FreeRelays(relays):
                         self.shm_io.free_relays(relays)
-                    case ReadLog(identity, frames):
-                        self._do(self._with_log(identity, frames))
+                    case ReadLog(identity, frames, key):
+                        self._do(self._with_log(identity, frames, key))
                     case _:
                         raise TypeError(f"unknown action {act!r}")
             except zmq.ZMQError as e:
@@ -179,11 +185,12 @@ class BrokerServer:
                 self.core.errors["shm_" + e.code.value] += 1
                 log.warning("shared memory: %s", e)
 
-    def _with_log(self, identity: bytes, frames: list) -> list:
+    def _with_log(self, identity: bytes, frames: list, key: str | None) -> list:
         """A REGISTER the core wants this broker's update log for: read it, hand it over."""
         self.log.sync()
         index = ulog.LogIndex(self.log.dir)
-        return self.handlers.on_backend(identity, frames, self.clock(), log_index=index)
+        return self.handlers.on_backend(identity, frames, self.clock(), log_index=index,
+                                        key=key)
 
     def _drain(self, sock, handler, limit: int) -> int:
         n = 0
@@ -196,9 +203,11 @@ class BrokerServer:
             if len(msg) < 2:
                 continue  # ROUTER always gives identity + at least one frame; ignore otherwise
             try:
-                if self.auth is not None:    # the authenticated sender's roles
+                if self.auth is not None:    # the authenticated sender's key and roles
+                    key = _user_id(msg[1])
+                    kw = {"key": key} if sock is self.backend else {}
                     actions = handler(msg[0].bytes, msg[1:], self.clock(),
-                                      roles=self.auth.allow.roles_of(_user_id(msg[1])))
+                                      roles=self.auth.allow.roles_of(key), **kw)
                 else:
                     actions = handler(msg[0].bytes, msg[1:], self.clock())
             except Exception:  # a bug must not take the broker down: count it, keep serving

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from . import replies, specs, wire
 from .errors import Code, WireError
 from .nested import (  # noqa: F401  (re-exported: the nested types handlers match on)
+    MAX_LEASE,
     MAX_SHARD_ID,
     AppliedPart,
     BatchPart,
@@ -277,6 +278,7 @@ class Register:
     blocks: tuple             # (key, version), usable ones
     skipped: int              # entries of tensors and blocks that were not usable
     shm: bool                 # it took up the broker's shared memory (protocol section 21)
+    lease: bytes | None = None    # the lease its last REGISTERED gave it (section 6.10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +287,7 @@ class Registered:
     shard: str
     partitions: int | None
     shm: bool                 # the broker sends this shard shared-memory references
+    lease: bytes | None = None    # what a REGISTER from a new connection presents (6.10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,11 +479,20 @@ def _register(h, P):
                  and type(b[0]) is str and type(b[1]) is int and b[1] >= 0)
     return Register(sid, tuple(tuple(x) for x in holds), h.get("rejoin") is True, tuple(held),
                     good, len(tensors) - len(held) + len(blocks) - len(good),
-                    h.get("shm") is True)
+                    h.get("shm") is True, _lease(h))
+
+
+def _lease(h) -> bytes | None:
+    """A REGISTER's or REGISTERED's ``lease``: absent, or 1..MAX_LEASE bytes."""
+    lease = h.get("lease")
+    if lease is not None and (type(lease) is not bytes or not 0 < len(lease) <= MAX_LEASE):
+        raise WireError(Code.BAD_FIELD, f"{h['kind']}: lease must be 1..{MAX_LEASE} bytes")
+    return lease
 
 
 def _registered(h, P):
-    return Registered(h["shard"], opt_int(h.get("partitions"), 1), h.get("shm") is True)
+    return Registered(h["shard"], opt_int(h.get("partitions"), 1), h.get("shm") is True,
+                      _lease(h))
 
 
 def _p(h, P) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 import uuid
@@ -34,6 +35,7 @@ from .shm_io import ShardShm
 log = logging.getLogger("gradbus.shard")
 
 DRAIN_MAX = 64
+ROUTING_ID_BYTES = 16     # a backend connection's routing id: random, one per connection
 
 
 class ShardServer:
@@ -158,7 +160,9 @@ class ShardServer:
         net.tune(self.sock)
         if self.curve is not None:
             security.client_setup(self.sock, self.curve)
-        self.sock.setsockopt(zmq.ROUTING_ID, self.shard_id.encode())
+        # a fresh, unguessable routing id per connection (never starting with a zero byte,
+        # which libzmq reserves): the broker binds this shard's name to it only by REGISTER
+        self.sock.setsockopt(zmq.ROUTING_ID, b"S" + os.urandom(ROUTING_ID_BYTES - 1))
         self._watch = security.HandshakeWatch(self.sock, self.curve, backend)
         self.sock.connect(backend)
         self._send_by = time.monotonic() + self.hello_timeout
@@ -218,10 +222,11 @@ class ShardServer:
                     if not self._connect():
                         break       # stopping
                     todo.extendleft(reversed(self.reg.connected(self.clock())))
-                case Register(rejoin=rejoin):
+                case Register(rejoin=rejoin, lease=lease):
                     sent = self._send(wire.pack(wire.REGISTER, shard=self.shard_id,
                                                 rejoin=rejoin, **self.core.register_fields(),
-                                                **self.shm.register_fields()))
+                                                **self.shm.register_fields(),
+                                                **({"lease": lease} if lease else {})))
                 case Heartbeat():
                     # counters every interval, busy or not (status and top read them)
                     info = self.core.info()
@@ -275,7 +280,8 @@ class ShardServer:
             head = _peek(frames[0]) if frames else None
             kind = head.kind if head is not None else None
             code = head.code if kind == wire.ERROR else None
-            self._act(self.reg.heard(self.clock(), kind, code))
+            self._act(self.reg.heard(self.clock(), kind, code,
+                                     head.lease if kind == wire.REGISTERED else None))
             if kind == wire.REGISTERED:
                 self.shm.registered(head, self.core.publisher)
             if not frames or kind in (wire.REGISTERED, wire.HEARTBEAT):

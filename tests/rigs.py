@@ -283,11 +283,12 @@ def data(n, dtype, steps=3, seed=0):
 
 
 # ---- a backend connection of the test's own -------------------------------------------
-def register_as(url: str, shard_id: str, curve=None,
-                routing_id: bytes = b"intruder") -> dict:
-    """Connect a DEALER of our own to the broker's backend and send one REGISTER for
-    ``shard_id`` (holding nothing); returns the broker's answer."""
+@contextlib.contextmanager
+def backend_peer(url: str, curve=None, routing_id: bytes = b"intruder"):
+    """A DEALER of the test's own on the broker's backend under ``routing_id`` (found with a
+    HELLO), open for the block."""
     ctx = zmq.Context()
+    s = None
     try:
         welcome = net.hello(ctx, url, "shard", 10.0, curve=curve)
         s = ctx.socket(zmq.DEALER)
@@ -296,13 +297,21 @@ def register_as(url: str, shard_id: str, curve=None,
             security.client_setup(s, curve)
         s.setsockopt(zmq.ROUTING_ID, routing_id)
         s.connect(net.url(net.split_url(url)[0], welcome["backend"]))
+        yield s
+    finally:
+        if s is not None:
+            s.close(linger=0)
+        ctx.term()
+
+
+def register_as(url: str, shard_id: str, curve=None,
+                routing_id: bytes = b"intruder") -> dict:
+    """Connect a DEALER of our own to the broker's backend and send one REGISTER for
+    ``shard_id`` (holding nothing); returns the broker's answer."""
+    with backend_peer(url, curve, routing_id) as s:
         s.send(wire.pack(wire.REGISTER, shard=shard_id, holds=[]))
         assert s.poll(10_000), "no answer to the register"
-        h = unpack(s.recv())
-        s.close(linger=0)
-        return h
-    finally:
-        ctx.term()
+        return unpack(s.recv())
 
 
 # ---- a cluster's state at its end ---------------------------------------------------------

@@ -113,13 +113,20 @@ def test_the_acknowledged_marks_say_which_copy_brings_a_partition_back():
 def test_admission_refuses_a_takeover_of_a_live_id_and_logs_a_bounded_number():
     errors = defaultdict(int)
     ad = Admission(errors)
-    live = ShardInfo("s", b"s", 0.0)
-    assert not ad.takes_over(None, b"x", 0.1, 0.5)        # a new id
-    assert not ad.takes_over(live, b"s", 0.1, 0.5)        # its own connection
-    assert ad.takes_over(live, b"x", 0.5, 0.5)
-    assert not ad.takes_over(live, b"x", 0.51, 0.5)       # silent past the deadline
+    live = ShardInfo("s", b"s", 0.0, lease=b"L" * 16)
+    assert ad.claim(None, b"x", None, None, 0.1, 0.5) is None        # a new id
+    assert ad.claim(live, b"s", None, None, 0.1, 0.5) is None        # its own connection
+    assert "in use" in ad.claim(live, b"x", None, None, 0.5, 0.5)
+    assert "in use" in ad.claim(live, b"x", None, b"M" * 16, 0.5, 0.5)   # another lease
+    assert ad.claim(live, b"x", None, b"L" * 16, 0.5, 0.5) is None   # its lease: a reconnect
+    assert ad.claim(live, b"x", None, None, 0.51, 0.5) is None       # silent past the deadline
+    live.key = "K"
+    assert "another CURVE key" in ad.claim(live, b"x", "J", b"L" * 16, 0.51, 0.5)
+    assert ad.claim(live, b"x", "K", b"L" * 16, 0.1, 0.5) is None
+    live.key = None
     for i in range(MAX_LOGGED + 10):
-        assert "in use by a live shard" in ad.register_refusal(live, b"x%d" % i, 0.1, 0.5)
+        assert "in use by a live shard" in ad.register_refusal(live, b"x%d" % i, None, None,
+                                                               0.1, 0.5)
     assert errors["SHARD_ID_IN_USE"] == MAX_LOGGED + 10
     assert len(ad._logged) == MAX_LOGGED and ad.validate_state() == []
     assert "operator role" in ad.role_refusal(frozenset({"client"}), False, wire.ADMIN)

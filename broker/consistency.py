@@ -98,6 +98,12 @@ class Consistency:
         self.parked_reads = keep
         return actions
 
+    def ring_segments(self) -> set[str]:
+        """The clients' ring segments the pushes held for bsp steps reference (they are
+        sequenced when their step is complete)."""
+        return {d["r"][0] for b in self.barriers.values() for _, h, _, _ in b["held"]
+                for d in h.t if isinstance(d, dict) and "r" in d}
+
     def validate_state(self) -> list[str]:
         problems = []
         for name, b in self.barriers.items():

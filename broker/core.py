@@ -284,6 +284,7 @@ class BrokerCore:
         if replay is not None:
             return replay
         descs = h.descs(frames, self.settings.max_tensor_bytes)
+        self.sequencer.rings.check(descs)         # a ring the sweep removed: nobody reads it
         routed, tensors, decoded = self.catalog.route_push(descs, frames, self.table.live_owner)
         weights, bsp = self.consistency.check(tensors, h.ver, client)
         counters = self.meters.counters

@@ -6,9 +6,11 @@ credit: the same header and tensor frames to each replica (and to the update log
 
 Tensors whose bytes are in a client's shared-memory ring (a descriptor's ``r``) travel as
 references to replicas that read shared memory and are inlined by the loop for the others
-(:attr:`~.actions.ToShard.inline`). The sequencer counts, per push, its entries that still
-reference the ring (queued, or in a batch some replica has not applied); when that reaches 0
-the push is in :attr:`Sequencer.freed`, and the core tells the client its slots are free.
+(:attr:`~.actions.ToShard.inline`). The sequencer counts, per push and per ring segment, its
+entries that still reference the ring (queued, or in a batch some replica has not applied), in
+:class:`~.ring_refs.RingRefs`: when a push's count reaches 0 it is in :attr:`Sequencer.freed`,
+and the core tells the client its slots are free; a dead client's segment goes once its count
+is 0.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from gradbus.codecs import wire
 
 from .actions import INLINE_COPY, INLINE_VIEW, RELAY, ToShard
+from .ring_refs import RingRefs
 
 ALL = wire.ACKS_ALL
 RELAY_MIN = 256 << 10      # tensor bytes from which a batch of frames is relayed through the
@@ -33,7 +36,7 @@ class Batch:
     primary_done: bool = False
     epoch: int = 0                 # the partition's epoch when it was sent
     nbytes: int = 0                # its tensor frames' bytes (counted in held_bytes)
-    shm: list | None = None        # the refs of its entries whose bytes are in shared memory
+    shm: list | None = None        # (push ref, ring segment) of its entries in shared memory
     relay: int = 0                 # the broker's ring holds its message's bytes under this id
 
 
@@ -52,8 +55,9 @@ class Sequencer:
         self.inflight_bytes = 0             # tensor bytes of the batches in self.inflight
         self.inflight: dict[tuple[int, int], Batch] = {}             # (p, seq) -> batch
         self.pcount = [0] * partitions      # gradients batched into p since the last rate fold
-        self.shm_live: dict[tuple, int] = {}    # push ref -> its entries still reading the ring
-        self.freed: list[tuple] = []             # pushes whose ring slots nobody needs any more
+        self.rings = RingRefs()                  # what entries reference in clients' rings
+        self.shm_live = self.rings.live          # push ref -> its entries still reading the ring
+        self.freed = self.rings.freed            # pushes whose ring slots nobody needs any more
         self.relaying = False                    # the loop has a ring to relay frames through
         self.relay_ids = 0
         self.relay_live: dict[int, int] = {}     # relay id -> its batches still in flight
@@ -73,7 +77,7 @@ class Sequencer:
         b = self.inflight.pop(key)
         self.inflight_bytes -= b.nbytes
         if b.shm:
-            self._unref(b.shm)
+            self.rings.release(b.shm)
         if b.relay:
             n = self.relay_live[b.relay] - 1
             if n:
@@ -83,23 +87,13 @@ class Sequencer:
                 self.relays_done.append(b.relay)
         return b
 
-    def _unref(self, refs) -> None:
-        live = self.shm_live
-        for ref in refs:
-            n = live[ref] - 1
-            if n:
-                live[ref] = n
-            else:
-                del live[ref]
-                self.freed.append(ref)
-
     # ------------------------------------------------------------------ queueing
     def enqueue(self, p: int, entry: dict, raw_desc, frame, ref) -> None:
         self.pending_entries[p].append((entry, raw_desc, frame, ref))
         if frame is not None:
             self.pending_bytes += wire.frame_len(frame)
             if "r" in raw_desc:
-                self.shm_live[ref] = self.shm_live.get(ref, 0) + 1
+                self.rings.hold(ref, raw_desc["r"][0])
 
     def enqueue_push(self, ref: tuple, h, routed: list, weights: dict, wall) -> None:
         """A push's entries, one per tensor, queued for their partitions."""
@@ -125,7 +119,7 @@ class Sequencer:
             if fr is not None:
                 self.pending_bytes -= wire.frame_len(fr)
                 if "r" in raw:
-                    self._unref((ref,))
+                    self.rings.release(((ref, raw["r"][0]),))
             refs.append(ref)
         return refs
 
@@ -209,7 +203,7 @@ class Sequencer:
                         held += wire.frame_len(fr)
                         if "r" in raw:
                             shm = [] if shm is None else shm
-                            shm.append(ref)
+                            shm.append((ref, raw["r"][0]))
                     ents.append(entry)
                     refs.append(ref)
                 any_refs = any_refs or shm is not None
@@ -249,22 +243,16 @@ class Sequencer:
         if self.inflight_bytes != sum(b.nbytes for b in self.inflight.values()):
             problems.append(f"inflight_bytes {self.inflight_bytes}, in-flight batches hold "
                             f"{sum(b.nbytes for b in self.inflight.values())}")
-        live: dict = {}
-        for es in self.pending_entries.values():
-            for _, raw, fr, ref in es:
-                if fr is not None and "r" in raw:
-                    live[ref] = live.get(ref, 0) + 1
-        for b in self.inflight.values():
-            for ref in b.shm or ():
-                live[ref] = live.get(ref, 0) + 1
+        pairs = [(ref, raw["r"][0]) for es in self.pending_entries.values()
+                 for _, raw, fr, ref in es if fr is not None and "r" in raw]
+        pairs += [pair for b in self.inflight.values() for pair in b.shm or ()]
+        problems += self.rings.validate_state(pairs)
         relays: dict = {}
         for b in self.inflight.values():
             if b.relay:
                 relays[b.relay] = relays.get(b.relay, 0) + 1
         if relays != self.relay_live:
             problems.append(f"relays in flight {self.relay_live}, batches hold {relays}")
-        if live != self.shm_live:
-            problems.append(f"shared-memory refs held {self.shm_live}, entries hold {live}")
         for (p, seq), b in self.inflight.items():
             if not b.waiting:
                 problems.append(f"in-flight batch {p}/{seq} waits for nobody")

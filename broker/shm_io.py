@@ -17,11 +17,15 @@ fan-out.
   shared memory (as the shard sent it: references into its board, or frames) and ``p`` + p for
   the others (board blocks copied out first). Which topics have subscribers is learnt from the
   XPUB's subscription notices, so nothing is copied for nobody.
-* Sweeping: the segments of this cluster's dead processes are removed every
-  :data:`SWEEP_EVERY` seconds and at exit; client rings are left alone while pushes that may
-  reference them are in flight, and rings (a dead broker's relay ring, dead clients') until the
-  broker recovered (every shard registered again, or the recovery grace ended): a shard may
-  still hold a batch that a broker which died sent it, naming them.
+* Sweeping: the segments of this cluster's dead processes are found every
+  :data:`SWEEP_EVERY` seconds and at exit, and removed unless something may still read them:
+  a dead client's ring segment stays while an entry that references it is queued or in a batch
+  a replica has not applied (or a push held for a bsp step names it), and goes at the first
+  tick after that (:class:`~.ring_refs.RingRefs`), whatever other clients have in flight.
+  Rings (a dead broker's relay ring, dead clients') stay until the broker recovered (every
+  shard registered again, or the recovery grace ended): a shard may still hold a batch that a
+  broker which died sent it, naming them. Segments removed are unmapped here too (the memory
+  of a mapped segment is not freed until the last mapping goes).
 """
 from __future__ import annotations
 
@@ -49,6 +53,7 @@ class ShmIO:
         self.relayed: dict[int, list] = {}      # relay id -> the message as shards get it
         self.subscribed: set[bytes] = set()     # topics some subscriber follows
         self.next_sweep = 0.0
+        self.doomed: set[str] = set()          # dead owners' segments kept while referenced
         self.stats = core.meters.counters
         if enabled and shm.usable():
             try:
@@ -147,26 +152,51 @@ class ShmIO:
 
     # -- housekeeping --------------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        if self.probe is None or now < self.next_sweep:
+        if self.probe is None:
+            return
+        if self.doomed:
+            self._remove(self._unneeded(self.doomed))
+        if now < self.next_sweep:
             return
         self.next_sweep = now + SWEEP_EVERY
         self._sweep()
+
+    def _unneeded(self, names) -> list[str]:
+        """Of dead owners' segments, those nothing queued or in flight references; the others
+        are kept (and looked at again every tick)."""
+        rings = self.core.sequencer.rings
+        held = self.core.consistency.ring_segments() if self.core.consistency.barriers else ()
+        out = []
+        for name in names:
+            if rings.referenced(name) or name in held:
+                if name not in self.doomed:
+                    self.doomed.add(name)
+                    self.stats["shm_sweep_kept"] += 1
+            else:
+                out.append(name)
+        return out
+
+    def _remove(self, names) -> None:
+        removed = shm.remove(names)
+        self.doomed.difference_update(names)
+        self.core.sequencer.rings.removed(removed)
+        self.stats["shm_swept"] += len(removed)
+        if removed:
+            self.mapper.forget_removed()
 
     def _sweep(self) -> None:
         if not self.core.recovery.recovered():
             # a shard may still hold batches a dead broker sent, naming that broker's ring or
             # clients' rings: they stay until every shard registered again (it drained them)
             roles = "s"
-        elif self.core.sequencer.shm_live or self.core.consistency.barriers:
-            roles = "sb"    # a dead client's ring stays while refs into it may be queued
         else:
             roles = "wsb"
-        removed = shm.sweep(self.cluster, roles, keep={self.probe.name})
+        dead = [n for n in shm.dead_segments(self.cluster, roles) if n != self.probe.name]
+        self._remove(self._unneeded(dead))
         if "b" in roles and not self.rings_swept:
             self.rings_swept = True
             # other clusters with no live process left (a broker restarted on another port)
-            removed += shm.sweep_abandoned(keep={self.probe.name})
-        self.stats["shm_swept"] += len(removed)
+            self.stats["shm_swept"] += len(shm.sweep_abandoned(keep={self.probe.name}))
 
     def close(self) -> None:
         self.mapper.close()

@@ -325,6 +325,15 @@ class Mapper:
     def _stamped(ref, seg) -> bool:
         return _U64.unpack_from(seg.view, ref[1] - ALIGN)[0] == ref[2]
 
+    def forget_removed(self) -> int:
+        """Unmap the segments whose file is gone (their owner died and was swept): until
+        then the memory they hold stays in use. Returns how many."""
+        with self.lock:
+            gone = [name for name, seg in self.segs.items() if not os.path.exists(seg.path)]
+            for name in gone:
+                self.segs.pop(name).close()
+        return len(gone)
+
     def close(self) -> None:
         with self.lock:
             for seg in self.segs.values():
@@ -371,25 +380,32 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def sweep(cluster: str | None = None, roles: str = "wsb", keep=frozenset()) -> list[str]:
-    """Remove the segments (of ``cluster``, or of every cluster) whose owner is dead, in this
-    pid namespace, except those named in ``keep``; returns the names removed."""
-    base = directory()
+def dead_segments(cluster: str | None = None, roles: str = "wsb") -> list[str]:
+    """The segments (of ``cluster``, or of every cluster; of ``roles``) whose owner is dead,
+    in this pid namespace."""
     try:
-        names = os.listdir(base)
+        names = os.listdir(directory())
     except OSError:
         return []
     ns = _pidns()
-    removed = []
+    out = []
     for name in names:
         who = owned(name)
-        if who is None or name in keep:
+        if who is None:
             continue
         tag, role, pid, pidns = who
         if (cluster is not None and tag != cluster) or role not in roles or pidns != ns:
             continue
-        if _alive(pid):
-            continue
+        if not _alive(pid):
+            out.append(name)
+    return out
+
+
+def remove(names) -> list[str]:
+    """Unlink these segments; returns the names removed (one gone already is not)."""
+    base = directory()
+    removed = []
+    for name in names:
         try:
             os.unlink(os.path.join(base, name))
             removed.append(name)
@@ -398,6 +414,12 @@ def sweep(cluster: str | None = None, roles: str = "wsb", keep=frozenset()) -> l
     if removed:
         log.info("removed %d shared-memory segments of dead processes", len(removed))
     return removed
+
+
+def sweep(cluster: str | None = None, roles: str = "wsb", keep=frozenset()) -> list[str]:
+    """Remove the segments (of ``cluster``, or of every cluster) whose owner is dead, in this
+    pid namespace, except those named in ``keep``; returns the names removed."""
+    return remove(n for n in dead_segments(cluster, roles) if n not in keep)
 
 
 def sweep_abandoned(keep=frozenset()) -> list[str]:

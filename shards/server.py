@@ -265,6 +265,7 @@ class ShardServer:
                     last_ckpt = now
                     self._start_checkpoint(None)
                 self._act(self.reg.tick(now))
+                self.shm.tick(now)
         finally:
             self.close()
 

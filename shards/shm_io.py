@@ -25,6 +25,8 @@ from gradbus.codecs.errors import WireError
 
 log = logging.getLogger("gradbus.shard")
 
+UNMAP_EVERY = 5.0      # seconds between looks for removed segments still mapped here
+
 
 def reply_cap(value: int | None = None) -> int:
     """The reply area's cap in bytes: ``value``, else ``$GRADBUS_SHM_REPLY_MB`` MiB, else
@@ -72,6 +74,7 @@ class ShardShm:
         self.replies: shm.ReplyArea | None = None
         self.reply_cap = reply_cap(reply_bytes) if enabled else 0
         self.stats = {"shm_unreadable": 0}
+        self.next_unmap = 0.0
 
     def welcome(self, welcome: dict) -> None:
         self.cluster = shm.accept(welcome.get("shm")) if self.enabled else None
@@ -105,6 +108,13 @@ class ShardShm:
         ok = wire.resolve_refs(t, tensors, self.mapper, self._unreadable)
         frames[1:] = tensors
         return ok
+
+    def tick(self, now: float) -> None:
+        """Every :data:`UNMAP_EVERY` seconds: unmap the peers' segments that were removed
+        (a dead client's ring, swept by the broker), so that their memory is freed."""
+        if now >= self.next_unmap:
+            self.next_unmap = now + UNMAP_EVERY
+            self.mapper.forget_removed()
 
     def _unreadable(self, err: WireError, n: int) -> bytes:
         self.stats["shm_unreadable"] += 1

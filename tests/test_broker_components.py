@@ -30,12 +30,13 @@ from gradbus.broker.core import BrokerCore
 from gradbus.broker.membership import Membership, ShardInfo
 from gradbus.broker.partition_table import PartitionTable
 from gradbus.broker.recovery import LogPolicy
+from gradbus.broker.ring_refs import RingRefs
 from gradbus.codecs import wire
 from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import partition_of
 from gradbus.shards.core import ShardCore
 
-from .rigs import Rig, init_msg, push_msg, unpack
+from .rigs import Rig, encode_blocks, init_msg, push_msg, unpack
 
 
 def _table(ids=("a", "b", "c"), replicas=1):
@@ -289,3 +290,40 @@ def test_validate_state_runs_every_component():
     assert "pending_bytes -1 < 0" in str(e.value)
     assert "shard s counts 5 bytes, holds 0" in str(e.value)
     assert "settled but still pending" in str(e.value)
+
+
+def test_ring_refs_count_per_push_and_per_segment():
+    r = RingRefs()
+    a, b = (b"c", 1), (b"c", 2)
+    r.hold(a, "s1")
+    r.hold(a, "s2")
+    r.hold(b, "s1")
+    r.release([(a, "s1")])
+    assert r.referenced("s1") and r.referenced("s2") and r.freed == []
+    r.release([(a, "s2")])
+    assert r.freed == [a] and not r.referenced("s2") and r.referenced("s1")
+    assert r.validate_state([(b, "s1")]) == []
+    assert r.validate_state([]) != []
+    r.release([(b, "s1")])
+    assert r.freed == [a, b] and not r.segs and not r.live and r.validate_state([]) == []
+
+
+def test_a_push_naming_a_swept_ring_segment_is_refused_before_any_replica_reads_it():
+    """A dead client's last push, read after the sweep removed its ring: refused BAD_FIELD
+    (and its slots freed), never sequenced, so no replica applies it from a mapping it still
+    had while another cannot open the segment."""
+    rig = Rig(("s0",))
+    frames, layout = init_msg(1, "w", np.zeros(8, np.float32))
+    rig.client(b"c", frames)
+    rig.replies(b"c")
+    gone = "gradbus-0badc0de-w4242-1-0-abcd"
+    rig.broker.sequencer.rings.removed([gone])
+    descs, bufs = encode_blocks(layout, np.ones(8, np.float32))
+    for d in descs:
+        d["r"] = [gone, 64]
+    rig.client(b"c", [wire.pack(wire.PUSH, descs, msg=2, acks=1), *[b""] * len(bufs)])
+    replies = rig.replies(b"c")
+    assert [(h["kind"], h.get("code")) for h in replies] == [("error", "BAD_FIELD"),
+                                                             ("free", None)]
+    assert "is gone" in replies[0]["message"] and replies[1]["msgs"] == [2]
+    assert rig.broker.counters["pushes_received"] == 0 and not rig.broker.pending_entries

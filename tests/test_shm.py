@@ -276,6 +276,23 @@ for s in segs:
 """
 
 
+def test_a_reader_unmaps_the_segments_that_were_removed(shm_dir):
+    """A swept ring's memory is freed only when the last mapping goes: readers let go of the
+    segments whose file is gone, and keep the others."""
+    kept, swept = (shm.Segment.create(CLUSTER, "w", 4096) for _ in range(2))
+    mapper = shm.Mapper()
+    try:
+        for seg in (kept, swept):
+            assert bytes(mapper.view([seg.name, shm.HEADER], 8)) == bytes(8)
+        swept.unlink()
+        assert mapper.forget_removed() == 1 and list(mapper.segs) == [kept.name]
+        assert mapper.forget_removed() == 0
+    finally:
+        mapper.close()
+        kept.close()
+        swept.close()
+
+
 def test_sweep_removes_a_dead_owners_segments_only(shm_dir):
     dead = spawn_code(SEGMENT_OWNER)
     live = spawn_code(SEGMENT_OWNER)

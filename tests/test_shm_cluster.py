@@ -23,7 +23,7 @@ from gradbus.codecs import shm
 from gradbus.codecs.partition import partition_of
 
 from .child import ROOT
-from .rigs import gradbus_segments, replicas_agree, wait_for
+from .rigs import end_code, gradbus_segments, replicas_agree, spawn_code, wait_for
 
 pytestmark = pytest.mark.usefixtures("shm_dir")
 
@@ -299,6 +299,107 @@ def test_a_sigkilled_worker_leaves_no_segment(make_cluster, shm_dir):
         _push_n(c, {"w": np.ones(3000, np.float32)}, 2)     # the cluster still serves
         assert np.array_equal(c.pull(["w"], min_version=version + 2, timeout=30)["w"],
                               before - 2 * LR)
+    cluster.stop()
+    assert gradbus_segments(shm_dir) == []
+
+
+LOADER = """
+import sys
+import threading
+import numpy as np
+import gradbus
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+with gradbus.connect(sys.argv[1], block_bytes=4096, timeout=120) as c:
+    assert c.shm is not None
+    g = {"w": np.ones(3000, np.float32)}
+    n = 0
+    while not stop.is_set():
+        c.push(g)                  # never waited for: a window of pushes always in flight
+        n += 1
+        if n == 1:
+            print("pushing", flush=True)
+    c.flush(120)
+print(n, flush=True)
+"""
+
+VICTIM = """
+import sys
+import threading
+import numpy as np
+import gradbus
+c = gradbus.connect(sys.argv[1], block_bytes=4096, client_id=b"victim")
+assert c.shm is not None
+for _ in range(int(sys.argv[2])):
+    c.push({"v": np.ones(3000, np.float32)})
+print("sent", flush=True)
+threading.Event().wait()
+"""
+
+
+def _pushes_of(url: str, client_id: bytes) -> int:
+    for w in admin.status(url)["workers"]:
+        if w["id"] == client_id.hex():
+            return w["pushes"]
+    return 0
+
+
+def test_a_dead_workers_ring_goes_under_load_once_no_replica_still_needs_it(make_cluster,
+                                                                           shm_dir):
+    """Two workers push without pause the whole time. A third sends K pushes while both
+    replicas are stopped (SIGSTOP), and is SIGKILLed before any is applied: a sweep finds its
+    ring and keeps it (named by unapplied batches). Once the shards run again, the ring goes
+    while the two others still push; every one of the K pushes was applied whole on both
+    replicas (the known answer, nothing refused), and the replicas agree (the fixture)."""
+    slow = ["--heartbeat-interval", "0.5", "--liveness", "60"]    # stopped 30 s: not dead
+    cluster = make_cluster(2, replicas=2, broker_args=[*slow, "--expect-shards", "2"],
+                           shard_args=slow)
+    url, k = cluster.url, 8
+    with gradbus.connect(url, block_bytes=4096) as c:
+        tag = c.shm.cluster
+        c.init({"w": _w0(3000), "v": _w0(3000)}, optimizer=gradbus.SGD(lr=LR))
+        replicas_agree(url)
+        loaders = [spawn_code(LOADER, url) for _ in range(2)]
+        shards = [p.pid for p in cluster.shard_procs.values()]
+        victim = None
+        try:
+            assert [p.stdout.readline().strip() for p in loaders] == ["pushing"] * 2
+            for pid in shards:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                victim = spawn_code(VICTIM, url, k)
+                assert victim.stdout.readline().strip() == "sent"
+                wait_for(lambda: _pushes_of(url, b"victim") == k, 30, "the victim's pushes")
+                ring = {n for n in shm.segments(tag) if shm.owned(n)[2] == victim.pid}
+                assert ring
+                victim.send_signal(signal.SIGKILL)
+                victim.wait(10)
+                # a sweep finds the dead worker's ring named by unapplied batches: kept
+                wait_for(lambda: _counters(url).get("shm_sweep_kept", 0) >= len(ring), 30,
+                         "a sweep keeping the dead ring")
+                assert ring <= set(shm.segments(tag))
+            finally:
+                for pid in shards:
+                    os.kill(pid, signal.SIGCONT)
+            # applied on both replicas now: the ring goes while the others keep pushing
+            wait_for(lambda: not ring & set(shm.segments(tag)), 60, "the dead ring removed")
+            assert [p.poll() for p in loaders] == [None, None]
+            before = _counters(url)["pushes_received"]
+            wait_for(lambda: _counters(url)["pushes_received"] > before, 30, "more pushes")
+        finally:
+            counts = [end_code(p) for p in loaders]
+            if victim is not None:
+                victim.kill()
+                victim.wait(10)
+                victim.stdin.close()
+                victim.stdout.close()
+        assert counts == [0, 0]
+        assert np.array_equal(c.pull(["v"], min_version=k, timeout=30)["v"], _w0(3000) - k * LR)
+        st = admin.status(url)
+        assert [t["version"] for t in st["tensors"] if t["name"] == "v"] == [k]
+        assert [s["info"].get("pushes_refused", 0) for s in st["shards"]] == [0, 0]
+        assert st["counters"]["shm_swept"] >= len(ring)
+        replicas_agree(url)
     cluster.stop()
     assert gradbus_segments(shm_dir) == []
 

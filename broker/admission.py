@@ -41,35 +41,35 @@ class Admission:
         return msg
 
     @staticmethod
-    def claim(s, identity: bytes, key: str | None, lease: bytes | None, now: float,
+    def claim(s, identity: bytes, key: str | None, token: bytes | None, now: float,
               deadline: float) -> str | None:
         """Why a REGISTER for shard ``s`` (its record, or None for a new id) from connection
-        ``identity`` (CURVE ``key``, None with CURVE off; ``lease``, the one it presents)
+        ``identity`` (CURVE ``key``, None with CURVE off; ``token``, the sending process's)
         may not take the id, else None. A routing id is no credential: what binds a shard's
         name to a connection is an accepted REGISTER, and what lets a new connection take a
-        live shard's name is its CURVE key (with CURVE) and the lease its last REGISTERED gave
-        it (a reconnect of the same process). It may proceed when the id is new, the
-        REGISTER comes on the shard's own connection, its shard is dead or silent past
-        ``deadline`` (liveness), or it presents the shard's lease. With CURVE, a name is
-        bound to the key that first registered it: another key never takes it."""
+        live shard's name is its CURVE key (with CURVE) and the token of the process that
+        registered it (the same process reconnecting). It may proceed when the id is new,
+        the REGISTER comes on the shard's own connection, its shard is dead or silent past
+        ``deadline`` (liveness), or it carries the registered process's token. With CURVE, a
+        name is bound to the key that first registered it: another key never takes it."""
         if s is None:
             return None
         if key is not None and s.key is not None and key != s.key:
             return (f"shard id {s.id} is bound to another CURVE key; register this shard "
                     "under another id")
         if (identity == s.identity or not s.alive or now - s.last_seen > deadline
-                or (lease is not None and s.lease is not None
-                    and hmac.compare_digest(lease, s.lease))):
+                or (token is not None and s.token is not None
+                    and hmac.compare_digest(token, s.token))):
             return None
         return (f"shard id {s.id} is in use by a live shard on another connection (heard "
                 f"{now - s.last_seen:.2f}s ago); a replacement may register once that one is "
                 f"silent for {deadline:.2f}s")
 
-    def register_refusal(self, s, identity: bytes, key: str | None, lease: bytes | None,
+    def register_refusal(self, s, identity: bytes, key: str | None, token: bytes | None,
                          now: float, deadline: float) -> str | None:
         """None when a REGISTER for shard ``s`` may proceed (see :meth:`claim`); else the
         SHARD_ID_IN_USE message (counted, logged once per shard and connection)."""
-        msg = self.claim(s, identity, key, lease, now, deadline)
+        msg = self.claim(s, identity, key, token, now, deadline)
         if msg is None:
             return None
         self.errors[Code.SHARD_ID_IN_USE.value] += 1

@@ -4,9 +4,7 @@ live shard's id refused), APPLIED (publishes, versions, settlement), a catch-up'
 end, and a shard's death (failover, failed work)."""
 from __future__ import annotations
 
-import hmac
 import logging
-import secrets
 
 from gradbus.codecs import wire
 from gradbus.codecs.errors import Code
@@ -16,7 +14,6 @@ from .rebalance import state_req
 
 log = logging.getLogger("gradbus.broker")
 
-LEASE_BYTES = 16      # a registration's lease (protocol section 6.10)
 
 
 class ShardEvents:
@@ -44,14 +41,10 @@ class ShardEvents:
         connection ``identity``, sent with CURVE ``key`` (None: CURVE off)."""
         sid = h.shard
         known = self.members.shards.get(sid)
-        refused = self.admission.register_refusal(known, identity, key, h.lease, now,
+        refused = self.admission.register_refusal(known, identity, key, h.token, now,
                                                   self.settings.shard_deadline)
         if refused is not None:      # the live shard keeps its id and its partitions
             return [ToShard(identity, [wire.error(Code.SHARD_ID_IN_USE, refused)])]
-        # the same process again (its own connection, or its lease) keeps its lease
-        keep = known is not None and known.lease is not None and (
-            identity == known.identity
-            or (h.lease is not None and hmac.compare_digest(h.lease, known.lease)))
         holds = {p: (epoch, seq) for p, epoch, seq in h.holds}
         rec, tb = self.recovery, self.table
         if holds or h.rejoin:
@@ -111,11 +104,9 @@ class ShardEvents:
         s.shm = h.shm and self.shm_on
         if s.key is None:
             s.key = key             # with CURVE, the name is this key's from now on
-        if not keep:
-            s.lease = secrets.token_bytes(LEASE_BYTES)
+        s.token = h.token           # the process that holds the name now
         actions.append(ToShard(identity, [wire.pack(wire.REGISTERED, shard=sid,
-                                                    partitions=self.P, shm=s.shm,
-                                                    lease=s.lease)]))
+                                                    partitions=self.P, shm=s.shm)]))
         if rec.replay is not None:
             rec.replay_orphans()
         if drop:
@@ -126,7 +117,7 @@ class ShardEvents:
     def claim(self, identity: bytes, h, key: str | None, now: float) -> str | None:
         """Why a REGISTER of shard id ``h.shard`` would be refused SHARD_ID_IN_USE, else None
         (see :meth:`~.admission.Admission.claim`)."""
-        return self.admission.claim(self.members.shards.get(h.shard), identity, key, h.lease,
+        return self.admission.claim(self.members.shards.get(h.shard), identity, key, h.token,
                                     now, self.settings.shard_deadline)
 
     def _adopt(self, s, p: int, state: tuple, nbytes: int) -> bool:

@@ -25,7 +25,7 @@ class ShardInfo:
     queued_snapshots: list = field(default_factory=list)  # (client, req, keys, of, rows, shm)
     shm: bool = False                     # reads pushes from, and publishes into, shared memory
     key: str | None = None                # the CURVE key that registered it (None: CURVE off)
-    lease: bytes | None = None            # what a REGISTER from a new connection presents
+    token: bytes | None = None            # the registered process's own secret (REGISTER)
 
 
 @dataclass(slots=True)

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from . import replies, specs, wire
 from .errors import Code, WireError
 from .nested import (  # noqa: F401  (re-exported: the nested types handlers match on)
-    MAX_LEASE,
     MAX_SHARD_ID,
+    MAX_TOKEN,
     AppliedPart,
     BatchPart,
     HeldTensor,
@@ -278,7 +278,7 @@ class Register:
     blocks: tuple             # (key, version), usable ones
     skipped: int              # entries of tensors and blocks that were not usable
     shm: bool                 # it took up the broker's shared memory (protocol section 21)
-    lease: bytes | None = None    # the lease its last REGISTERED gave it (section 6.10)
+    token: bytes | None = None    # the shard process's own secret (section 6.10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,7 +287,6 @@ class Registered:
     shard: str
     partitions: int | None
     shm: bool                 # the broker sends this shard shared-memory references
-    lease: bytes | None = None    # what a REGISTER from a new connection presents (6.10)
 
 
 @dataclass(frozen=True, slots=True)
@@ -479,20 +478,19 @@ def _register(h, P):
                  and type(b[0]) is str and type(b[1]) is int and b[1] >= 0)
     return Register(sid, tuple(tuple(x) for x in holds), h.get("rejoin") is True, tuple(held),
                     good, len(tensors) - len(held) + len(blocks) - len(good),
-                    h.get("shm") is True, _lease(h))
+                    h.get("shm") is True, _token(h))
 
 
-def _lease(h) -> bytes | None:
-    """A REGISTER's or REGISTERED's ``lease``: absent, or 1..MAX_LEASE bytes."""
-    lease = h.get("lease")
-    if lease is not None and (type(lease) is not bytes or not 0 < len(lease) <= MAX_LEASE):
-        raise WireError(Code.BAD_FIELD, f"{h['kind']}: lease must be 1..{MAX_LEASE} bytes")
-    return lease
+def _token(h) -> bytes | None:
+    """A REGISTER's ``token``: absent, or 16..MAX_TOKEN bytes."""
+    token = h.get("token")
+    if token is not None and (type(token) is not bytes or not 16 <= len(token) <= MAX_TOKEN):
+        raise WireError(Code.BAD_FIELD, f"register: token must be 16..{MAX_TOKEN} bytes")
+    return token
 
 
 def _registered(h, P):
-    return Registered(h["shard"], opt_int(h.get("partitions"), 1), h.get("shm") is True,
-                      _lease(h))
+    return Registered(h["shard"], opt_int(h.get("partitions"), 1), h.get("shm") is True)
 
 
 def _p(h, P) -> int:

@@ -17,7 +17,7 @@ from .errors import Code, WireError
 from .partition import MAX_NAME_LEN, TensorLayout, split_key, split_row_key
 
 MAX_SHARD_ID = 128       # characters of a shard id (REGISTER)
-MAX_LEASE = 64           # bytes of a registration's lease (REGISTER, REGISTERED)
+MAX_TOKEN = 64           # bytes of a shard process's token (REGISTER)
 _MAX_DIM = 2 ** 40
 MAX_NDIM = 8
 

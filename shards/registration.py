@@ -10,8 +10,7 @@ and carries out the typed actions it returns, in order:
 * :meth:`Registration.connected` (the HELLO was answered with WELCOME and the socket is
   connected) -> :class:`Register`: send REGISTER; ``rejoin`` once this process was registered
   with a broker before, so a broker hearing it first knows it restarted;
-* :meth:`Registration.heard`, every message from the broker: REGISTERED registers (its lease
-  kept for the REGISTERs that follow); an ERROR
+* :meth:`Registration.heard`, every message from the broker: REGISTERED registers; an ERROR
   NOT_REGISTERED (declared dead while alive, a stall) unregisters and -> :class:`Register`
   again, at most once per liveness window (several messages sent meanwhile each get one);
 * :meth:`Registration.sent`, every message the shard sent other than a heartbeat;
@@ -48,9 +47,8 @@ class Connect:
 
 @dataclass(frozen=True, slots=True)
 class Register:
-    """Send REGISTER with ``rejoin`` and ``lease`` (when it has one)."""
+    """Send REGISTER with ``rejoin``."""
     rejoin: bool
-    lease: bytes | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +67,6 @@ class Registration:
         self.last_heard: float | None = None
         self.last_sent: float | None = None
         self.last_info: float | None = None  # when the last HEARTBEAT was sent
-        # what the last REGISTERED gave: a REGISTER on a new connection presents it, so the
-        # broker knows the same process is back (protocol section 6.10)
-        self.lease: bytes | None = None
 
     @property
     def window(self) -> float:
@@ -95,15 +90,12 @@ class Registration:
             self.last_sent = self.last_info = now
         return [self._register(now)]
 
-    def heard(self, now: float, kind: str | None, code: str | None = None,
-              lease: bytes | None = None) -> list:
-        """A message from the broker (``kind`` None when its header did not parse; ``lease``:
-        a REGISTERED's)."""
+    def heard(self, now: float, kind: str | None, code: str | None = None) -> list:
+        """A message from the broker (``kind`` None when its header did not parse)."""
         self.last_heard = now
         if kind == wire.REGISTERED:
             self.phase = Phase.REGISTERED
             self.joined = True
-            self.lease = lease
         elif kind == wire.ERROR and code == Code.NOT_REGISTERED.value:
             self.phase = Phase.REGISTERING
             if now - self.registered_at > self.window:
@@ -140,4 +132,4 @@ class Registration:
 
     def _register(self, now: float) -> Register:
         self.registered_at = now
-        return Register(rejoin=self.joined, lease=self.lease)
+        return Register(rejoin=self.joined)

@@ -36,6 +36,7 @@ log = logging.getLogger("gradbus.shard")
 
 DRAIN_MAX = 64
 ROUTING_ID_BYTES = 16     # a backend connection's routing id: random, one per connection
+TOKEN_BYTES = 16          # this process's registration token
 
 
 class ShardServer:
@@ -72,6 +73,9 @@ class ShardServer:
         self._watch: security.HandshakeWatch | None = None
         self._send_by = 0.0
         self.reg = Registration(heartbeat_interval, liveness)
+        # this process's secret, in every REGISTER: a REGISTER on a new connection that
+        # carries it is this process reconnecting, not another taking its name (6.10)
+        self.token = os.urandom(TOKEN_BYTES)
         if checkpoint_interval < 0 or checkpoint_keep < 1:
             raise ValueError("checkpoint_interval must be >= 0 and checkpoint_keep >= 1")
         self.on_metrics = on_metrics      # called with a metrics snapshot every interval
@@ -222,11 +226,11 @@ class ShardServer:
                     if not self._connect():
                         break       # stopping
                     todo.extendleft(reversed(self.reg.connected(self.clock())))
-                case Register(rejoin=rejoin, lease=lease):
+                case Register(rejoin=rejoin):
                     sent = self._send(wire.pack(wire.REGISTER, shard=self.shard_id,
-                                                rejoin=rejoin, **self.core.register_fields(),
-                                                **self.shm.register_fields(),
-                                                **({"lease": lease} if lease else {})))
+                                                rejoin=rejoin, token=self.token,
+                                                **self.core.register_fields(),
+                                                **self.shm.register_fields()))
                 case Heartbeat():
                     # counters every interval, busy or not (status and top read them)
                     info = self.core.info()
@@ -281,8 +285,7 @@ class ShardServer:
             head = _peek(frames[0]) if frames else None
             kind = head.kind if head is not None else None
             code = head.code if kind == wire.ERROR else None
-            self._act(self.reg.heard(self.clock(), kind, code,
-                                     head.lease if kind == wire.REGISTERED else None))
+            self._act(self.reg.heard(self.clock(), kind, code))
             if kind == wire.REGISTERED:
                 self.shm.registered(head, self.core.publisher)
             if not frames or kind in (wire.REGISTERED, wire.HEARTBEAT):

@@ -114,12 +114,12 @@ def test_the_acknowledged_marks_say_which_copy_brings_a_partition_back():
 def test_admission_refuses_a_takeover_of_a_live_id_and_logs_a_bounded_number():
     errors = defaultdict(int)
     ad = Admission(errors)
-    live = ShardInfo("s", b"s", 0.0, lease=b"L" * 16)
+    live = ShardInfo("s", b"s", 0.0, token=b"L" * 16)
     assert ad.claim(None, b"x", None, None, 0.1, 0.5) is None        # a new id
     assert ad.claim(live, b"s", None, None, 0.1, 0.5) is None        # its own connection
     assert "in use" in ad.claim(live, b"x", None, None, 0.5, 0.5)
-    assert "in use" in ad.claim(live, b"x", None, b"M" * 16, 0.5, 0.5)   # another lease
-    assert ad.claim(live, b"x", None, b"L" * 16, 0.5, 0.5) is None   # its lease: a reconnect
+    assert "in use" in ad.claim(live, b"x", None, b"M" * 16, 0.5, 0.5)   # another process
+    assert ad.claim(live, b"x", None, b"L" * 16, 0.5, 0.5) is None   # its own: a reconnect
     assert ad.claim(live, b"x", None, None, 0.51, 0.5) is None       # silent past the deadline
     live.key = "K"
     assert "another CURVE key" in ad.claim(live, b"x", "J", b"L" * 16, 0.51, 0.5)

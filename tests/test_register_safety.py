@@ -1,12 +1,15 @@
 """A REGISTER that reuses the id of a shard alive on another connection is refused (counted,
 answered SHARD_ID_IN_USE): the live shard keeps its partitions. Once that shard has been
 silent past liveness, a replacement may take the id; at once, the same process on a new
-connection (its lease). A routing id is no credential: a peer connecting with a shard's name,
+connection (its token). A routing id is no credential: a peer connecting with a shard's name,
 or with the live shard's own routing id, takes no route from it (CURVE on or off); with CURVE,
 a shard's name is bound to the key that registered it."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -17,7 +20,7 @@ from gradbus.broker.actions import ToShard
 from gradbus.codecs import security, wire
 from gradbus.codecs.partition import TensorLayout, partition_of
 
-from .rigs import RepRig, backend_peer, init_msg, register_as, unpack
+from .rigs import RepRig, backend_peer, init_msg, register_as, unpack, wait_for
 
 FAST = ["--heartbeat-interval", "0.1", "--liveness", "5"]
 
@@ -76,50 +79,53 @@ def _registered(actions) -> dict | None:
     return None
 
 
-def test_the_same_process_on_a_new_connection_registers_at_once_with_its_lease():
-    """Core only: REGISTERED gives a lease; a REGISTER for the live s0 from another routing id
-    is accepted at once with that lease (a reconnect), refused with another one or none, and
-    the old connection no longer speaks for s0."""
+def test_the_same_process_on_a_new_connection_registers_at_once_with_its_token():
+    """Core only: a REGISTER for the live s0 from another routing id is accepted at once with
+    the token of the process that registered s0 (a reconnect, whether or not that process
+    heard its REGISTERED), refused with another one or none, and the old connection no longer
+    speaks for s0."""
     rig = RepRig(("s0",))
     b = rig.broker
-    lease = b.shards["s0"].lease
-    assert type(lease) is bytes and len(lease) == 16
+    token = b"T" * 16
     fields = rig.shards["s0"].register_fields()
-    for bad in ({}, {"lease": b"x" * 16}):
+    out = b.on_backend(b"s0", [wire.pack(wire.REGISTER, shard="s0", token=token, **fields)],
+                       b.now)                          # on its own connection: its token kept
+    assert _registered(out) is not None and b.shards["s0"].token == token
+    for bad in ({}, {"token": b"x" * 16}):
         out = b.on_backend(b"new", [wire.pack(wire.REGISTER, shard="s0", **fields, **bad)], b.now)
         assert unpack(out[0].frames[0])["code"] == "SHARD_ID_IN_USE"
-    out = b.on_backend(b"new", [wire.pack(wire.REGISTER, shard="s0", lease=lease, **fields)],
+    out = b.on_backend(b"new", [wire.pack(wire.REGISTER, shard="s0", token=token, **fields)],
                        b.now)
-    reply = _registered(out)
-    assert reply is not None and reply["lease"] == lease          # the same process: kept
+    assert _registered(out) is not None
     assert b.shards["s0"].identity == b"new" and b.shards["s0"].alive
     assert b.members.by_identity == {b"new": "s0"}
     out = b.on_backend(b"s0", [wire.pack(wire.HEARTBEAT)], b.now)   # the old connection
     assert unpack(out[0].frames[0])["code"] == "NOT_REGISTERED"
     b.validate_state()
     assert b.errors["SHARD_ID_IN_USE"] == 2
-    out = b.on_backend(b"s0", [wire.pack(wire.REGISTER, shard="s0", lease=b"", **fields)], b.now)
-    assert unpack(out[0].frames[0])["code"] == "BAD_FIELD"        # a lease is 1..64 bytes
+    out = b.on_backend(b"s0", [wire.pack(wire.REGISTER, shard="s0", token=b"t", **fields)],
+                       b.now)
+    assert unpack(out[0].frames[0])["code"] == "BAD_FIELD"        # a token is 16..64 bytes
 
 
 def test_with_curve_a_shards_name_is_bound_to_its_key():
     """Core only: the key that registered s0 may register it again from a new connection with
-    the lease; another key never takes the name, not even once s0 is dead."""
+    its token; another key never takes the name, not even once s0 is dead."""
     rig = RepRig(("s0",))
     b = rig.broker
     fields = rig.shards["s0"].register_fields()
     b.shards["s0"].key = "K" * 40                  # as if it had registered with CURVE key K
-    lease = b.shards["s0"].lease
+    token = b.shards["s0"].token = b"T" * 16
 
     def register(ident, key, now, **kw):
         return b.on_backend(ident, [wire.pack(wire.REGISTER, shard="s0", **fields, **kw)], now,
                             roles={"shard"}, key=key)
 
-    out = register(b"other", "L" * 40, b.now, lease=lease)
+    out = register(b"other", "L" * 40, b.now, token=token)
     assert "bound to another CURVE key" in unpack(out[0].frames[0])["message"]
     out = register(b"other", "L" * 40, b.now + 10 * b.settings.shard_deadline)  # s0 silent
     assert "bound to another CURVE key" in unpack(out[0].frames[0])["message"]
-    assert _registered(register(b"mine", "K" * 40, b.now, lease=lease)) is not None
+    assert _registered(register(b"mine", "K" * 40, b.now, token=token)) is not None
     assert b.shards["s0"].identity == b"mine" and b.shards["s0"].key == "K" * 40
     b.validate_state()
 
@@ -201,7 +207,7 @@ def test_a_peer_with_the_live_shards_own_routing_id_gets_nothing(make_cluster):
 def test_with_curve_another_shard_key_cannot_take_a_live_shards_name(make_cluster, tmp_path):
     """A second key with the shard role registers as shard-0: refused, the name is bound to
     the key that registered it; the cluster's own shard key on a new connection, without the
-    lease, is refused while shard-0 lives."""
+    token, is refused while shard-0 lives."""
     keys = security.ClusterKeys.ensure(tmp_path / "keys")
     cluster = make_cluster(1, curve_dir=keys.directory, broker_args=FAST_SHARDS,
                            shard_args=FAST_SHARDS)
@@ -216,3 +222,27 @@ def test_with_curve_another_shard_key_cannot_take_a_live_shards_name(make_cluste
     st = admin.status(cluster.url, curve=cluster.curve)
     assert st["errors"]["SHARD_ID_IN_USE"] == 2 and st["shards"][0]["alive"]
     assert st["counters"].get("shards_lost", 0) == 0
+
+
+def test_a_shard_that_reconnects_registers_again_at_once_on_its_new_connection(make_cluster):
+    """The broker stops (SIGSTOP) for several of the shard's silence windows: the shard calls
+    it silent and connects again, under a new routing id, while its old connection still
+    looks alive to the broker (what it sent meanwhile is read first). Its REGISTER carries
+    its process's token: accepted at once, no SHARD_ID_IN_USE, and it serves again."""
+    cluster = make_cluster(1, broker_args=["--heartbeat-interval", "0.25", "--liveness", "40"],
+                           shard_args=FAST_SHARDS)        # the shard's window: 0.5 s
+    w0 = np.zeros(N, np.float32)
+    with gradbus.connect(cluster.url, block_bytes=1024) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=0.5))
+        os.kill(cluster.broker_proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2.0)          # the fault: four of the shard's windows without a word
+        finally:
+            os.kill(cluster.broker_proc.pid, signal.SIGCONT)
+        wait_for(lambda: admin.status(cluster.url)["counters"].get("shards_lost", 0) >= 1, 30,
+                 "the shard registered again on its new connection")
+        st = admin.status(cluster.url)
+        assert st["errors"].get("SHARD_ID_IN_USE", 0) == 0, st["errors"]
+        assert [s["alive"] for s in st["shards"]] == [True]
+        c.push({"w": np.ones_like(w0)}).result(30)
+        assert np.array_equal(c.pull(["w"], min_version=1, timeout=30)["w"], w0 - 0.5)

@@ -63,17 +63,6 @@ def test_silent_broker_means_a_new_connection_and_a_rejoin():
     assert reg.heard(7.5, wire.REGISTERED) == [] and reg.registered
 
 
-def test_the_lease_of_the_last_registered_goes_with_every_register_after_it():
-    reg = _joined()                                  # REGISTERED without a lease (none yet)
-    assert reg.tick(3.5)[-1] == Connect(silent_for=3.5)
-    assert reg.connected(3.75) == [Register(rejoin=True, lease=None)]
-    assert reg.heard(4.0, wire.REGISTERED, lease=b"L1") == []
-    assert reg.tick(7.5)[-1] == Connect(silent_for=3.5)
-    assert reg.connected(7.75) == [Register(rejoin=True, lease=b"L1")]   # a new connection
-    reg.heard(8.0, wire.REGISTERED, lease=b"L2")
-    assert reg.heard(12.0, wire.ERROR, NOT_REGISTERED) == [Register(rejoin=True, lease=b"L2")]
-
-
 def test_heartbeat_and_reconnect_due_together_come_in_that_order():
     reg = _joined()
     reg.heard(0.5, wire.HEARTBEAT)

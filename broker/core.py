@@ -30,6 +30,7 @@ Tensor frames are passed through as the objects the loop received (``zmq.Frame``
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from dataclasses import replace
 
@@ -97,12 +98,16 @@ class BrokerCore:
         self.metrics_url: str | None = None     # where this broker's /metrics is served
         self._wall = wall_clock or time.time
         self.last_hb_sent = now
+        # this broker process's run id, in WELCOME and every events heartbeat: a client that
+        # hears another one knows the broker restarted and sends again what it lost
+        self.run = secrets.randbits(63)
         self.meters = m = Meters()
         self.members = Membership(s)
         self.acked = AckMarks(partitions)      # p -> the newest (epoch, seq) answered for
         self.admission = Admission(m.errors)   # roles per message, register takeovers
         self.table = PartitionTable(partitions, s.replicas, self.members.shards,
                                     self.acked.lost_message)
+        self.table.run = self.run          # TABLE names it too
         self.catalog = Catalog(partitions, s, m, lambda what, known:
                                self.recovery.check_recovering(what, known))
         self.consistency = Consistency(s, m, self.members)
@@ -235,7 +240,7 @@ class BrokerCore:
                                                   backend=self.ports["backend"],
                                                   partitions=self.P, down=self.table.down(),
                                                   hb=self.settings.heartbeat_interval,
-                                                  **shm)])]
+                                                  run=self.run, **shm)])]
         if kind == wire.STATUS:   # ops tools are not workers
             st = self.status(now)
             if m.table:
@@ -488,17 +493,21 @@ class BrokerCore:
             self.last_hb_sent = now
             hb = wire.pack(wire.HEARTBEAT)
             actions += [ToShard(s.identity, [hb]) for s in self.members.live_shards()]
-            # The events heartbeat names the last seq published per partition: a subscriber that
-            # is behind one of them lost the tail of that stream (XPUB drops on HWM) and
-            # re-snapshots, even when no later update would reveal the gap.
-            published = self.sequencer.published_seq
-            ps = sorted(published)
-            tv = {n: t.version for n, t in self.catalog.tensors.items()
-                  if t.cons["mode"] != "async"}
-            actions.append(Publish([wire.TOPIC_HEARTBEAT, wire.pack(
-                wire.HEARTBEAT, ps=ps, seqs=[published[p] for p in ps],
-                **({"tv": tv} if tv else {}))]))
+            actions.append(self.events_heartbeat())
         return self._coalesce(actions)
+
+    def events_heartbeat(self) -> Publish:
+        """The heartbeat on events, every interval and to a new subscriber of it at once (it
+        learns this broker's run id without waiting an interval). It names the last seq
+        published per partition: a subscriber that is behind one of them lost the tail of that
+        stream (XPUB drops on HWM) and re-snapshots, even when no later update would reveal
+        the gap."""
+        published = self.sequencer.published_seq
+        ps = sorted(published)
+        tv = {n: t.version for n, t in self.catalog.tensors.items() if t.cons["mode"] != "async"}
+        return Publish([wire.TOPIC_HEARTBEAT, wire.pack(
+            wire.HEARTBEAT, ps=ps, seqs=[published[p] for p in ps], run=self.run,
+            **({"tv": tv} if tv else {}))])
 
     # ------------------------------------------------------------------ views
     def status(self, now: float) -> dict:

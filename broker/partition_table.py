@@ -19,6 +19,7 @@ class PartitionTable:
         """``lost_message(p)``: why a lost partition p is refused and what would bring it
         back (the broker's acknowledged marks know)."""
         self.P = partitions
+        self.run: int | None = None     # the broker's run id, named in TABLE
         self.lost_message = lost_message or (lambda p: f"partition {p} is lost")
         self.replicas = replicas
         self.shards = shards                                      # id -> ShardInfo (membership's)
@@ -73,10 +74,11 @@ class PartitionTable:
 
     def message(self) -> list:
         """The TABLE message published on events."""
+        run = {} if self.run is None else {"run": self.run}
         return [wire.TOPIC_TABLE, wire.pack(wire.TABLE, version=self.version,
                                             owners=[o or "" for o in self.owners],
                                             standbys=self.standbys, epochs=self.epochs,
-                                            down=self.down())]
+                                            down=self.down(), **run)]
 
     # ------------------------------------------------------------------ writes
     def bump(self) -> None:

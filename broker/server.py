@@ -117,6 +117,9 @@ class BrokerServer:
         self.events = self.ctx.socket(zmq.XPUB)
         net.tune(self.events)
         self.events.sndhwm = EVENTS_SNDHWM
+        # every subscription is noticed, not only a topic's first: a client that subscribes to
+        # heartbeats (connected, or back after a restart) gets one at once
+        self.events.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.frontend.rcvhwm = FRONTEND_RCVHWM
         self.frontend.sndhwm = FRONTEND_SNDHWM
         if curve is not None:
@@ -274,11 +277,16 @@ class BrokerServer:
             self._do([ToShard(s.identity, [hb]) for s in core.members.live_shards()])
 
     def _drain_subscriptions(self) -> None:
+        hb = False
         for _ in range(DRAIN_MAX):
             try:
-                self.shm_io.subscription(self.events.recv(zmq.NOBLOCK))
+                notice = self.events.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
+            self.shm_io.subscription(notice)
+            hb = hb or notice == b"\x01" + wire.TOPIC_HEARTBEAT
+        if hb:       # a new subscriber to heartbeats: it hears this broker's run id now
+            self._do([self.core.events_heartbeat()])
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name="gradbus-broker", daemon=True)

@@ -52,6 +52,7 @@ from .nested import (  # noqa: F401  (re-exported: the nested types handlers mat
     opt,
     opt_int,
     recent,
+    run_id,
     state_block,
     str_list,
 )
@@ -245,6 +246,7 @@ class Heartbeat:
     seqs: tuple | None        # ... their last seqs (None unless both are int lists alike)
     tv: dict | None           # events: tensor -> version
     shm: bool | None          # a client's: it took up the broker's shared memory
+    run: int | None = None    # events: the broker process's run id (a new one: it restarted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -449,7 +451,8 @@ def _heartbeat(h, P):
                                        for k, v in tv.items()):
         tv = None
     return Heartbeat(opt(h.get("info"), dict), None if ps is None else tuple(ps),
-                     None if seqs is None else tuple(seqs), tv, opt(h.get("shm"), bool))
+                     None if seqs is None else tuple(seqs), tv, opt(h.get("shm"), bool),
+                     run_id(h.get("run")))
 
 
 def _error(h, P):

@@ -22,6 +22,12 @@ _MAX_DIM = 2 ** 40
 MAX_NDIM = 8
 
 
+def run_id(v) -> int | None:
+    """A broker's run id (WELCOME, TABLE and events HEARTBEAT ``run``): an int in
+    0..2^63-1, else None."""
+    return v if type(v) is int and 0 <= v < 1 << 63 else None
+
+
 def bad(kind: str, field: str, what: str, code: Code = Code.BAD_FIELD):
     raise WireError(code, f"{kind}: {field} {what}")
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from . import wire
 from .errors import Code, WireError
 from .nested import Tensors as _Tensors
-from .nested import int_list, str_list
+from .nested import int_list, run_id, str_list
 from .nested import of_count as _of
 from .nested import opt as _opt
 
@@ -24,6 +24,7 @@ class Welcome:
     down: tuple
     hb: float | None          # the broker's heartbeat interval, when usable
     shm: dict | None          # the broker's shared-memory offer (checked by shm.accept)
+    run: int | None = None    # the broker process's run id
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +116,7 @@ class Table:
     standbys: tuple | None
     epochs: tuple | None
     down: tuple
+    run: int | None = None    # the broker process's run id
 
 
 # ------------------------------------------------------------------ builders
@@ -126,7 +128,8 @@ def _welcome(h, P):
     ok_hb = type(hb) in (int, float) and math.isfinite(hb) and hb > 0
     return Welcome(h["events"], h["backend"], h["partitions"],
                    tuple(down) if type(down) is list and all(type(x) is int for x in down)
-                   else (), float(hb) if ok_hb else None, _opt(h.get("shm"), dict))
+                   else (), float(hb) if ok_hb else None, _opt(h.get("shm"), dict),
+                   run_id(h.get("run")))
 
 
 def _snapshot_reply(h, P):
@@ -171,7 +174,8 @@ def _table(h, P):
                      type(s) is list for s in standbys) else None,
                  tuple(epochs) if type(epochs) is list and all(type(e) is int for e in epochs)
                  else None,
-                 tuple(x for x in down if type(x) is int) if type(down) is list else ())
+                 tuple(x for x in down if type(x) is int) if type(down) is list else (),
+                 run_id(h.get("run")))
 
 
 BUILD = {

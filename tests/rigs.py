@@ -533,6 +533,29 @@ class TcpListener:
 
 
 # ----------------------------------------------------------------------------- child processes
+def _end_with_test() -> None:   # in the child, between fork and exec
+    """The child gets SIGTERM when the test process ends, even killed by a timeout."""
+    import ctypes
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def spawn_gradbus(*args) -> subprocess.Popen:
+    """``python -m gradbus args...``, stdout piped (text), stderr dropped; it ends with the
+    test process."""
+    return subprocess.Popen([sys.executable, "-m", "gradbus", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=_end_with_test)
+
+
+def cpu_hog() -> subprocess.Popen:
+    """A busy-loop process (a loaded machine); it ends with the test process."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                            preexec_fn=_end_with_test)
+
+
 def spawn_code(code: str, *args) -> subprocess.Popen:
     """``python -c code args...`` from the repository root, stdin and stdout piped (text)."""
     from .child import ROOT

@@ -327,3 +327,15 @@ def test_a_push_naming_a_swept_ring_segment_is_refused_before_any_replica_reads_
                                                              ("free", None)]
     assert "is gone" in replies[0]["message"] and replies[1]["msgs"] == [2]
     assert rig.broker.counters["pushes_received"] == 0 and not rig.broker.pending_entries
+
+
+def test_the_run_id_is_named_in_welcome_table_and_every_events_heartbeat():
+    a, b = BrokerCore(8), BrokerCore(8)
+    assert a.run != b.run and 0 <= a.run < 1 << 63          # one per broker process
+    welcome = unpack(a.on_frontend(b"c", [wire.pack(wire.HELLO, role="client")], 0.0)[0]
+                     .frames[0])
+    assert welcome["run"] == a.run
+    assert unpack(a.table.message()[1])["run"] == a.run
+    hb = [x for x in a.on_tick(10.0) if isinstance(x, Publish)]
+    assert [unpack(x.frames[1])["run"] for x in hb] == [a.run]
+    assert unpack(a.events_heartbeat().frames[1])["run"] == a.run

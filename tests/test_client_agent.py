@@ -6,6 +6,7 @@ from concurrent.futures import Future
 
 import numpy as np
 import pytest
+import zmq
 
 import gradbus
 from gradbus.codecs import timing, wire
@@ -99,6 +100,112 @@ def test_recovering_is_retried_soon_whatever_the_backoff():
     assert resent(state.take(), frames) == 1
     state.validate_state()
     assert state.resend.delay == 1.0         # not a backoff round
+
+
+def _event(state, topic: bytes, kind: str, **fields) -> list:
+    state.heard()
+    state.event([zmq.Frame(topic), zmq.Frame(wire.pack(kind, **fields))])
+    state.validate_state()
+    return state.take()
+
+
+def _table(state) -> list:
+    return _event(state, wire.TOPIC_TABLE, wire.TABLE, version=1, owners=["s0"] * 4,
+                  down=[])
+
+
+def test_a_restarted_broker_gets_every_unsettled_push_request_and_read_again_at_once():
+    """The events name another run id than WELCOME did: what the old broker held is gone.
+    Every unsettled push, the unanswered request and the read in flight (under a new id, for
+    the same waiter) go again at once, once; no resend round is spent on them."""
+    from gradbus.codecs.partition import TensorLayout
+    state, clock = make_state(welcome={"partitions": 4, "run": 11},
+                              resend=ResendTimer(5.0, 60.0))
+    a, _ = push(state, 1)
+    b, _ = push(state, 2)
+    feed(state, wire.pack(wire.ACK, msg=2))
+    cat = [wire.pack(wire.CATALOG, req=90)]
+    state.command(Request(90, cat, Future()))
+    read = Future()
+    state.command(Track([TensorLayout("w", "float32", (6,), 2)], read))
+    asked = [wire.unpack_header(x.frames[0], frozenset({wire.SNAPSHOT, wire.CATALOG}))
+             for x in state.take() if isinstance(x, Send)]
+    assert [h["kind"] for h in asked] == [wire.CATALOG, wire.SNAPSHOT]
+    clock.t += 1.0
+    assert _event(state, wire.TOPIC_HEARTBEAT, wire.HEARTBEAT, run=11) == []   # the same one
+    out = _event(state, wire.TOPIC_HEARTBEAT, wire.HEARTBEAT, run=12)
+    assert resent(out, a) == 1 and resent(out, b) == 0 and resent(out, cat) == 1
+    snaps = [wire.unpack_header(x.frames[0], frozenset({wire.SNAPSHOT})) for x in out
+             if isinstance(x, Send) and x.frames is not a and x.frames is not cat]
+    assert len(snaps) == 1 and snaps[0]["keys"] == asked[1]["keys"]
+    assert snaps[0]["req"] != asked[1]["req"] and state.req_futures[snaps[0]["req"]] is read
+    assert state.stats["broker_restarts"] == 1 and state.stats["restart_resends"] == 1
+    assert _event(state, wire.TOPIC_HEARTBEAT, wire.HEARTBEAT, run=12) == []
+    clock.t += 4.9                         # the resend timer counts from the restart's send
+    state.tick()
+    assert not resent(state.take(), a) and state.stats["resends"] == 0
+
+
+def test_a_broker_named_first_by_its_events_is_no_restart():
+    state, _ = make_state(resend=ResendTimer(5.0, 60.0))        # a WELCOME without run
+    a, _ = push(state, 1)
+    assert _table(state) == [] and _event(state, wire.TOPIC_HEARTBEAT, wire.HEARTBEAT,
+                                          run=5) == []
+    assert state.broker_run == 5 and state.stats["broker_restarts"] == 0
+    out = _event(state, wire.TOPIC_TABLE, wire.TABLE, version=1, owners=["s0"] * 4, down=[],
+                 run=6)
+    assert resent(out, a) == 1 and state.stats["broker_restarts"] == 1
+
+
+def test_recovering_refusals_go_again_when_the_partition_table_changes():
+    """A shard registering with a restarted broker (a TABLE event) is when what it refused
+    RECOVERING may be served: sent again then, not after the fixed pause."""
+    state, clock = make_state(resend=ResendTimer(5.0, 60.0))
+    t0 = clock.t
+    a, _ = push(state, 1)
+    b, _ = push(state, 2)
+    feed(state, wire.pack(wire.ERROR, msg=1, code=Code.RECOVERING.value, message="wait"))
+    state.tick()
+    assert state.take() == []
+    clock.t = t0 + 0.05
+    out = _table(state)
+    assert resent(out, a) == 1 and resent(out, b) == 0
+    assert state.stats["table_retries"] == 1
+    clock.t = t0 + 0.3                       # past RECOVERING_RETRY: nothing left to retry
+    state.tick()
+    assert not resent(state.take(), a)
+    assert _table(state) == []
+
+
+class _Ring:
+    """Stands in for the client's shared memory: which pushes' slots were freed."""
+
+    def __init__(self):
+        self.freed: list = []
+
+    def free(self, msgs) -> int:
+        self.freed += list(msgs)
+        return len(msgs)
+
+
+def test_a_push_refused_recovering_keeps_its_ring_slots_until_its_final_answer():
+    """The broker frees a refused push's slots (FREE), but the client sends the push again,
+    naming the same slots: they must still hold its bytes, so they are freed only once the
+    push is answered for good."""
+    state, _ = make_state(resend=ResendTimer(5.0, 60.0))
+    state.shm = _Ring()
+    push(state, 1)
+    push(state, 2)
+    feed(state, wire.pack(wire.ERROR, msg=1, code=Code.RECOVERING.value, message="wait"))
+    feed(state, wire.pack(wire.FREE, msgs=[1]))
+    feed(state, wire.pack(wire.ACK, msg=2))
+    feed(state, wire.pack(wire.FREE, msgs=[2]))
+    assert state.shm.freed == [2] and state.free_later == {1}
+    out = _table(state)                                  # sent again, the slots untouched
+    assert len(out) == 1 and state.shm.freed == [2]
+    feed(state, wire.pack(wire.ACK, msg=1))
+    assert state.shm.freed == [2, 1] and not state.free_later
+    assert state.stats["shm_freed"] == 2
 
 
 def test_no_resends_when_resending_is_off():

@@ -18,6 +18,14 @@ Broker silence is judged with the broker's own heartbeat interval, as WELCOME na
 the default interval for a broker that does not say): silent after ``LIVENESS`` intervals
 without a heartbeat or reply, and never sooner than with the default interval (a broker
 beating faster than the default is not held to a tighter window than before).
+
+A broker that restarted says so: its events heartbeats carry another run id than the one
+WELCOME (or the heartbeats before) named. What the old broker held is lost with it, so the
+client sends again at once every push and init not settled (the resend timer would wait
+seconds), every request not answered, and every read in flight (asked again under a new id, its
+parts so far dropped). Pushes the new broker refuses with RECOVERING (its shards not all back
+yet) are sent again at each partition-table change, a shard registering, rather than after a
+fixed pause (:mod:`.resend`).
 """
 from __future__ import annotations
 
@@ -58,6 +66,7 @@ class AgentState:
         self.resend = resend
         self.clock = clock
         self.hb_interval = broker_interval(welcome)
+        self.broker_run = messages.run_id(welcome.get("run"))   # None: a broker that does not say
         self.silence_after = max(self.hb_interval, timing.HEARTBEAT_INTERVAL) * timing.LIVENESS
         self.hb_every = timing.HEARTBEAT_INTERVAL   # the client's own heartbeats
         self.poll_ms = int(self.hb_every * 1000 / 2)
@@ -68,7 +77,10 @@ class AgentState:
         self.async_errors: list = []                # errors of pushes nobody waits on
         self.msg_futures: dict[int, Future] = {}    # msg -> Future of a push or init
         self.req_futures: dict[int, Future] = {}    # req -> Future of a request
+        self.req_frames: dict[int, list] = {}       # req -> a plain request's frames (resent
+                                                    # to a restarted broker)
         self.reads = ReadState(self)                # snapshots and table reads in flight
+        self.free_later: set[int] = set()           # pushes FREEd before their final answer
         self.out: list = []
         self.shm = shm                              # a ClientShm, or None: frames only
         self.topic = wire.topic_partition_shm if shm is not None else wire.topic_partition
@@ -92,6 +104,7 @@ class AgentState:
             self.out.append(Send(cmd.frames))
         elif t is Request:
             self.req_futures[cmd.req] = cmd.future
+            self.req_frames[cmd.req] = cmd.frames
             self.out.append(Send(cmd.frames))
         elif t is ReadRows:
             self.req_futures[cmd.req] = cmd.future
@@ -126,7 +139,7 @@ class AgentState:
         for f in futs:
             if f is not None and not f.done():
                 f.set_exception(err)
-        for waiting in (self.msg_futures, self.req_futures):
+        for waiting in (self.msg_futures, self.req_futures, self.req_frames):
             waiting.clear()
         self.reads.clear()
         with self.cond:
@@ -177,7 +190,7 @@ class AgentState:
             self._settle(m)
         elif kind == wire.FREE:
             if self.shm is not None:
-                self.stats["shm_freed"] += self.shm.free(m.msgs)
+                self._free(m.msgs)
         elif kind == wire.SNAPSHOT_REPLY:
             self.reads.on_snapshot(m, frames[1:])
         elif kind == wire.ROWS_REPLY:
@@ -189,8 +202,20 @@ class AgentState:
             self.stats["errors"] += 1
             log.warning("broker error: %s %s", m.code, m.message)
 
+    def _free(self, msgs) -> None:
+        """A FREE: the broker needs these pushes' ring slots no more. A push this client may
+        still send again (no final answer yet: refused RECOVERING, or its answer lost with a
+        broker that died) keeps them until it has one: a resend names the same slots, which
+        must still hold its bytes."""
+        resend = self.resend
+        now = [m for m in msgs if resend is None or m not in resend]
+        if len(now) < len(msgs):
+            self.free_later.update(m for m in msgs if resend is not None and m in resend)
+        self.stats["shm_freed"] += self.shm.free(now)
+
     def _answer(self, kind: str, h) -> None:
         req = h.req
+        self.req_frames.pop(req, None)
         if self.reads.answered(kind, h):
             return
         fut = self.req_futures.pop(req, None)
@@ -227,6 +252,9 @@ class AgentState:
                 self.stats["busy_retries"] += 1
                 return False
             resend.settled(msg)
+            if msg in self.free_later:       # the broker freed it before it answered
+                self.free_later.discard(msg)
+                self.stats["shm_freed"] += self.shm.free((msg,))
         fut = self.msg_futures.pop(msg, None)
         if fut is None and msg not in self.credit.held:
             self.stats["duplicate_answers"] += 1
@@ -269,9 +297,15 @@ class AgentState:
         topic = frames[0].bytes
         if topic == wire.TOPIC_TABLE:
             h = messages.unpack(frames[1], _TABLE)
+            self._run(h.run)
             with self.cond:
                 self.cache.down = set(h.down)
                 self.cond.notify_all()
+            if self.resend is not None and self.resend.recovering:
+                # a shard registered: what a restarted broker refused RECOVERING may be served
+                again = self.resend.recovering_now(self.clock())
+                self.stats["table_retries"] += len(again)
+                self.out.extend(Send(f) for f in again)
         elif topic == wire.TOPIC_HEARTBEAT:
             self._on_heartbeat(messages.unpack(frames[1], _HEARTBEAT))
         elif topic[:1] in (b"p", b"r"):
@@ -279,6 +313,7 @@ class AgentState:
 
     def _on_heartbeat(self, h) -> None:
         self.stats["broker_heartbeats"] += 1
+        self._run(h.run)
         if h.tv is not None:
             with self.cond:
                 self.versions.on_heartbeat(h.tv)
@@ -288,6 +323,31 @@ class AgentState:
                 behind = self.cache.on_heartbeat(h.ps, h.seqs)
             for p in behind:
                 self._snapshot(self.cache.resync_keys(p), None)
+
+    def _run(self, run: int | None) -> None:
+        """The run id an event named (None: none)."""
+        if run is not None and run != self.broker_run:
+            if self.broker_run is not None:
+                self._broker_restarted()
+            self.broker_run = run
+
+    def _broker_restarted(self) -> None:
+        """Another broker process answers now: what the one before held is gone. Send every
+        unsettled push and init, every unanswered request, and every read in flight again."""
+        self.stats["broker_restarts"] += 1
+        n = 0
+        if self.resend is not None:
+            for frames in self.resend.all_now(self.clock()):
+                self.out.append(Send(frames))
+                n += 1
+        self.stats["restart_resends"] += n
+        for frames in self.req_frames.values():
+            self.out.append(Send(frames))
+        reads = self.reads.in_flight()
+        for req in reads:
+            self.reads.reask(req, frames=False)
+        log.info("the broker restarted: %d pushes or inits, %d requests and %d reads sent "
+                 "again", n, len(self.req_frames), len(reads))
 
     def _on_update(self, frames) -> None:
         h = messages.unpack(frames[1], _UPDATE)
@@ -316,5 +376,6 @@ class AgentState:
         self.reads.validate_state()
         if self.resend is not None:
             self.resend.validate_state()
+            assert self.free_later <= self.resend.unsettled.keys(), self.free_later
         self.credit.validate_state()
         self.cache.validate_state()

@@ -89,15 +89,20 @@ class ReadState:
             self.a.stats["shm_torn_replies"] += 1
         return ok
 
-    def reask(self, req: int) -> bool:
-        """A read whose reply (or one of its parts) was torn: asked again under a new id, with
-        frames, for the same waiter; the parts already in are dropped (late ones too). False
-        when ``req`` is no read waiting."""
+    def in_flight(self) -> list[int]:
+        """The reads asked for and not answered whole."""
+        return [*self.snap_parts, *self.row_parts]
+
+    def reask(self, req: int, frames: bool = True) -> bool:
+        """A read whose reply (or one of its parts) was torn (``frames``: asked with frames
+        only), or lost with a broker that restarted: asked again under a new id, for the same
+        waiter; the parts already in are dropped (late ones too). False when ``req`` is no
+        read waiting."""
         fut = self.a.req_futures.pop(req, None)
         if req in self.snap_parts:
             del self.snap_parts[req]
             self.internal.pop(req, None)       # (a waiter's or not, as it was)
-            self.snapshot(self.snap_keys.pop(req), fut, frames=True)
+            self.snapshot(self.snap_keys.pop(req), fut, frames=frames)
             return True
         rows = self.row_parts.pop(req, None)
         if rows is None:
@@ -105,7 +110,7 @@ class ReadState:
                 self.a.req_futures[req] = fut
             return False
         new = self.a.next_id()
-        ask = wire.with_fields(rows["ask"], req=new, shm=False)
+        ask = wire.with_fields(rows["ask"], req=new, **({"shm": False} if frames else {}))
         self.row_parts[new] = {"rows": [], "tv": [], "missing": [], "ask": ask}
         if fut is not None:
             self.a.req_futures[new] = fut

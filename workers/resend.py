@@ -6,8 +6,12 @@ the whole window and backs off: a message unsettled ``delay`` seconds after it w
 sent again, and every round that resends something doubles ``delay`` (from ``RESEND_AFTER`` up
 to ``RESEND_MAX``); any settlement (an ACK, INIT_OK or ERROR) shows the broker answering and
 resets it to ``RESEND_AFTER``. A broker down for a while thus sees the window again after 5,
-10, 20, 40, then every 60 seconds, not every 5. A message refused with RECOVERING (a restarted
-broker still hearing from its shards) is sent again after ``RECOVERING_RETRY`` instead. One
+10, 20, 40, then every 60 seconds, not every 5. The timer is the fall-back: a client that hears
+a restarted broker (a new run id) sends everything unsettled again at once
+(:meth:`ResendTimer.all_now`), so what was lost with the old broker waits for no round. A
+message refused with RECOVERING (a restarted broker still hearing from its shards) is sent
+again as soon as the partition table changes (a shard registered: :meth:`recovering_now`), or
+after ``RECOVERING_RETRY`` if no change comes first. One
 refused with BUSY (the broker at its byte cap kept nothing of it) is sent again after its own
 back-off: ``BUSY_RETRY`` doubled per refusal in a row, up to ``BUSY_MAX``, spread by the msg id
 so that producers refused together do not come back together; the round timer's delay is not
@@ -31,12 +35,13 @@ class ResendTimer:
                  recovering: float = RECOVERING_RETRY):
         if not base > 0 or cap < base:
             raise ValueError("resend delays must be positive, cap >= base")
-        self.base, self.cap, self.recovering = base, cap, recovering
+        self.base, self.cap, self.recovering_after = base, cap, recovering
         self.delay = base
         # msg -> [frames, last sent]; ordered by last sent (a resend moves it to the end)
         self.unsettled: collections.OrderedDict = collections.OrderedDict()
         self.soon: dict[int, float] = {}   # msg -> when, refused with RECOVERING or BUSY
         self.busy: dict[int, int] = {}     # msg -> BUSY refusals in a row
+        self.recovering: set[int] = set()  # msgs of ``soon`` refused with RECOVERING
 
     def __contains__(self, msg: int) -> bool:
         return msg in self.unsettled
@@ -52,13 +57,15 @@ class ResendTimer:
         self.unsettled.pop(msg, None)
         self.soon.pop(msg, None)
         self.busy.pop(msg, None)
+        self.recovering.discard(msg)
         self.delay = self.base
 
     def refused_recovering(self, msg: int, now: float) -> bool:
         """Send ``msg`` again shortly; False when it is not waiting (answered already)."""
         if msg not in self.unsettled:
             return False
-        self.soon[msg] = now + self.recovering
+        self.soon[msg] = now + self.recovering_after
+        self.recovering.add(msg)
         return True
 
     def refused_busy(self, msg: int, now: float) -> bool:
@@ -67,9 +74,35 @@ class ResendTimer:
         if msg not in self.unsettled:
             return False
         n = self.busy[msg] = self.busy.get(msg, 0) + 1
+        self.recovering.discard(msg)
         delay = min(BUSY_RETRY * 2 ** min(n - 1, 30), BUSY_MAX)
         self.soon[msg] = now + delay * (1.0 + (msg * 2654435761 % 1024) / 2048)  # x [1, 1.5)
         return True
+
+    def all_now(self, now: float) -> list[list]:
+        """The broker restarted: every unsettled message's frames, to send again now (oldest
+        first); the delay starts again from the first one."""
+        out = []
+        for ent in self.unsettled.values():
+            ent[1] = now
+            out.append(ent[0])
+        self.soon.clear()
+        self.recovering.clear()
+        self.delay = self.base
+        return out
+
+    def recovering_now(self, now: float) -> list[list]:
+        """The partition table changed (a shard registered with a restarted broker): the
+        frames of the messages refused with RECOVERING, to send again now."""
+        out = []
+        for msg in sorted(self.recovering, key=lambda m: self.unsettled[m][1]):
+            del self.soon[msg]
+            ent = self.unsettled[msg]
+            ent[1] = now
+            self.unsettled.move_to_end(msg)
+            out.append(ent[0])
+        self.recovering.clear()
+        return out
 
     def next_at(self) -> float | None:
         """When :meth:`due` next has something to send (None: nothing waits)."""
@@ -85,6 +118,7 @@ class ResendTimer:
         if self.soon:
             for msg in [m for m, t in self.soon.items() if t <= now]:
                 del self.soon[msg]
+                self.recovering.discard(msg)
                 ent = self.unsettled[msg]
                 ent[1] = now
                 self.unsettled.move_to_end(msg)
@@ -98,6 +132,7 @@ class ResendTimer:
             ent[1] = now
             unsettled.move_to_end(msg)
             self.soon.pop(msg, None)
+            self.recovering.discard(msg)
             out.append(ent[0])
             backed_off = True
         if backed_off:
@@ -109,4 +144,5 @@ class ResendTimer:
         assert times == sorted(times), "unsettled messages out of send order"
         assert self.soon.keys() <= self.unsettled.keys()
         assert self.busy.keys() <= self.unsettled.keys()
+        assert self.recovering <= self.soon.keys()
         assert self.base <= self.delay <= self.cap

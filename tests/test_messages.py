@@ -552,8 +552,13 @@ def test_a_push_through_the_rig_still_applies():
 # -- fuzz: whatever the fields hold, typing a header raises WireError or returns a message ----
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
            | st.text(max_size=6) | st.binary(max_size=17))
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=3)
-                      | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8)
+
+
+def _nested(c):     # a named function: hypothesis reads its source to see that it recurses
+    return st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3)
+
+
+values = st.recursive(scalars, _nested, max_leaves=8)
 
 
 def _mutate(v, draw, depth: int = 0):

@@ -155,21 +155,25 @@ class BrokerCore:
             self.sequencer.relays_done.clear()
         if not actions:
             return actions
-        acks: dict[bytes, list[int]] | None = None
+        acks: dict[bytes, list[Acked]] | None = None
         out = []
         for a in actions:
             if type(a) is Acked:
                 if acks is None:
                     acks = {}
-                acks.setdefault(a.client, []).append(a.msg)
+                acks.setdefault(a.client, []).append(a)
             else:
                 out.append(a)
         if acks is None:
             return actions
-        for client, msgs in acks.items():
+        for client, acked in acks.items():
+            msgs = [a.msg for a in acked]
             fields = {"msg": msgs[0]}
+            if acked[0].ver is not None:
+                fields["ver"] = acked[0].ver
             if len(msgs) > 1:
                 fields["msgs"] = msgs
+                fields["vers"] = [a.ver for a in acked]
             out.append(AckClient(client, [wire.pack(wire.ACK, **fields)], tuple(msgs)))
         return out
 
@@ -305,9 +309,10 @@ class BrokerCore:
         msg = h.msg
         ref = (client.identity, msg)
         tables = tuple({n for (_, d, _, n) in routed if d.ids is not None})
+        names = tuple({n for (_, d, _, n) in routed if d.ids is None})
         self.settlement.pending[ref] = Pending(client.identity, msg, "push", len(routed),
                                                acks=ALL if h.acks == ALL else 1, t0=self.now,
-                                               tables=tables, step=step)
+                                               tables=tables, step=step, names=names)
         if step:
             for name in tables:
                 self.catalog.tables[name].stepping += 1

@@ -43,7 +43,8 @@ SAMPLES = {
                    lambda m: (m.msg, m.created, m.existing) == (2, ("a",), ("b",))),
     wire.PUSH: ([DESC], {"msg": 3, "acks": -1, "ver": 7},
                 lambda m: (m.msg, m.acks, m.ver, m.t) == (3, wire.ACKS_ALL, 7, [DESC])),
-    wire.ACK: ([], {"msg": 4, "msgs": [4, 5, 5]}, lambda m: m.msg == 4 and m.ids == (4, 5)),
+    wire.ACK: ([], {"msg": 4, "msgs": [4, 5, 5]}, lambda m: m.msg == 4 and m.ids == (4, 5)
+               and m.version(4) is None),
     wire.FREE: ([], {"msgs": [4, "x", 6]}, lambda m: m.msgs == (4, 6)),
     wire.SNAPSHOT: ([], {"req": 5, "keys": ["w/0"], "client": b"c", "of": 2},
                     lambda m: (m.req, m.keys, m.client, m.of) == (5, ("w/0",), b"c", 2)),
@@ -146,6 +147,14 @@ def test_optional_fields_of_the_wrong_type_are_absent():
     assert m.ver is None
     m = messages.unpack(wire.pack(wire.ACK, msg=1, msgs=[1, "x"]), ALL)
     assert m.msgs is None and m.ids == (1,)
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, ver=-3), ALL)
+    assert m.version(1) is None
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, msgs=[1, 2], vers=[5]), ALL)   # not parallel
+    assert m.ids == (1, 2) and m.version(1) is None and m.version(2) is None
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, msgs=[1, 2], vers=[5, "x"]), ALL)
+    assert m.version(1) == 5 and m.version(2) is None
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, ver=9), ALL)
+    assert m.version(1) == 9 and m.version(2) is None
     m = messages.unpack(wire.pack(wire.WELCOME, events=1, backend=2, partitions=3, hb=-1), ALL)
     assert m.hb is None and m.down == ()
     m = messages.unpack(wire.pack(wire.HEARTBEAT, ps=[1], seqs=[1, 2]), ALL)

@@ -239,10 +239,12 @@ class AgentState:
             elif not fut.done():
                 fut.set_exception(err)
         else:
+            result = h.header
             if kind == wire.ACK:
                 self.stats["pushes_acked"] += 1
+                result = {"kind": wire.ACK, "msg": msg, "ver": h.version(msg)}
             if fut is not None and not fut.done():
-                fut.set_result(h.header)
+                fut.set_result(result)
         return True
 
     def decode_blocks(self, h, frames, keep=None) -> list:

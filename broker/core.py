@@ -33,7 +33,7 @@ import logging
 import time
 from dataclasses import replace
 
-from gradbus.codecs import messages, wire
+from gradbus.codecs import hops, messages, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS, row_key, split_key, table_partitions
 
@@ -168,6 +168,8 @@ class BrokerCore:
             return actions
         for client, acked in acks.items():
             msgs = [a.msg for a in acked]
+            if hops.ON:
+                hops.stamp("ack_out", msgs)
             fields = {"msg": msgs[0]}
             if acked[0].ver is not None:
                 fields["ver"] = acked[0].ver
@@ -283,6 +285,8 @@ class BrokerCore:
 
     def _push(self, client, h: messages.Push, frames: list) -> list:
         msg = h.msg
+        if hops.ON:
+            hops.stamp("broker_in", msg)
         settle = self.settlement
         replay = settle.replay(client, msg)
         if replay is not None:

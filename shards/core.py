@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from gradbus.codecs import jit, messages, stats, wire
+from gradbus.codecs import hops, jit, messages, stats, wire
 from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import split_row_key
 
@@ -108,16 +108,23 @@ class ShardCore:
         """Every part applied (those of partitions being caught up on held back), the rows of
         all of them updated together, then the APPLIED reply and the parts' UPDATEs."""
         t0 = time.perf_counter()
+        if hops.ON:
+            msgs = [e.m for part in m.parts for e in part.e if getattr(e, "m", None) is not None]
+            hops.stamp("shard_in", msgs)
         out_parts, tail, done = [], [], []
         rows = RowBatch()     # every partition's table rows, updated together
         for part in m.parts:
             if not self.replication.hold(part, descs, frames):
                 done.append(self.applier.apply_part(part, descs, frames, rows))
         rows.apply()
+        if hops.ON:
+            hops.stamp("applied", msgs)
         for applied in done:
             res, pub = self.publisher.result(applied)
             out_parts.append(res)
             tail.extend(pub)
+        if hops.ON:
+            hops.stamp("shard_out", msgs)
         self.stats["batches"] += 1
         self.h_apply.observe(time.perf_counter() - t0)
         return [wire.pack(wire.APPLIED, parts=out_parts, shard=self.shard_id), *tail]

@@ -27,7 +27,7 @@ import threading
 import time
 from concurrent.futures import Future
 
-from gradbus.codecs import messages, timing, wire
+from gradbus.codecs import hops, messages, timing, wire
 from gradbus.codecs.errors import Code, WireError, error_from
 
 from .actions import Send, Subscribe
@@ -85,6 +85,8 @@ class AgentState:
     def command(self, cmd) -> None:
         t = type(cmd)
         if t is SendMessage:
+            if hops.ON:
+                hops.stamp("agent_send", cmd.msg)
             if cmd.future is not None:
                 self.msg_futures[cmd.msg] = cmd.future
             if self.resend is not None:
@@ -205,7 +207,11 @@ class AgentState:
         credit of every push it settles returns at once, after their Futures are resolved."""
         kind = h.kind
         ids = h.ids if kind == wire.ACK else (h.msg,)
+        if hops.ON:
+            hops.stamp("agent_ack", ids)
         settled = [m for m in ids if self._settle_one(kind, m, h)]
+        if hops.ON:
+            hops.stamp("resolved", settled)
         if settled:
             # the credit returns last: flush() never ends before the Future (or the error a
             # later push() raises) is settled

@@ -67,6 +67,30 @@ def test_the_dashboard_and_the_rules_use_only_series_a_live_cluster_exports(make
     assert "gradbus_broker_pushes_aplied_total" not in exported
 
 
+def test_an_alert_firing_late_early_or_never_fails_the_check():
+    import monitoring_check as mc
+
+    class Samples:          # Prometheus's ALERTS samples: pending from 10.0, firing from `fire`
+        def __init__(self, fire):
+            self.fire = fire
+
+        def samples(self, expr, seconds):
+            if 'alertstate="pending"' in expr:
+                return [(10.0 + k, {}) for k in range(3)]
+            return [] if self.fire is None else [(self.fire + k, {}) for k in range(4)]
+
+    def check(fire):
+        return mc.alert_figures(Samples(fire), "GradbusPartitionDown", {}, 0.0, 100.0,
+                                for_s=3.0, interval=1.0, stopped_at=8.0, continued_at=20.0)
+    good = check(13.0)
+    assert good["ok"] and good["pending_to_firing_s"] == 3.0
+    assert good["pending_after_stop_s"] == 2.0 and good["firing_after_stop_s"] == 5.0
+    assert check(14.0)["ok"]                       # within for: plus one evaluation
+    assert not check(15.0)["ok"]                   # late
+    assert not check(12.0)["ok"]                   # before its for: passed
+    assert not check(None)["ok"]                   # never fired
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("prometheus") is None,
                     reason="prometheus is not installed (Debian: apt-get install prometheus)")

@@ -473,6 +473,7 @@ class BrokerCore:
             log.warning("shard %s reports %s: %s", s.id, m.code, m.message)
             return []
         if kind == wire.BYE:
+            s.left = True      # gone on purpose: not silent
             return self._coalesce(ev.shard_dead(s, now, "said bye"))
         return []
 

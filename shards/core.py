@@ -236,6 +236,10 @@ class ShardCore:
             ("syncs", "Partitions installed from a primary's state (catch-up)."),
             ("states_sent", "Partition states exported to a catching-up standby."),
             ("checkpoints", "Checkpoints written."),
+            ("shm_replies", "Replies (snapshots, rows, states) written into the reply area for "
+             "readers of shared memory."),
+            ("shm_replies_full", "Replies to readers of shared memory sent as frames: larger "
+             "than the reply area may grow ($GRADBUS_SHM_REPLY_MB)."),
             ("errors", "Messages that failed validation or handling."))}
         m["gradbus_shard_parameter_bytes"] = stats.gauge("Bytes of parameters held.",
                                                          self.store.nbytes)

@@ -28,6 +28,7 @@ from gradbus.codecs.errors import Code, WireError
 
 from . import checkpoint
 from .core import ShardCore
+from .meters import ShardMeters
 from .registration import Connect, Heartbeat, Register, Registration
 from .shm_io import ShardShm
 
@@ -81,6 +82,7 @@ class ShardServer:
         self._ckpt_done: collections.deque = collections.deque()   # replies from the writer
         self._ckpt_waiting: list = []            # CHECKPOINT requests for the running write
         self.last_checkpoint: checkpoint.Checkpoint | None = None
+        self.meters = ShardMeters(checkpoint_interval, data_dir)
         if restore:
             self.restore(restore)
 
@@ -125,7 +127,10 @@ class ShardServer:
             self._ckpt_thread = None
             if ck is not None:
                 self.last_checkpoint = ck
+                self.meters.checkpoint_written(ck.time)
                 self.core.stats["checkpoints"] = self.core.stats.get("checkpoints", 0) + 1
+            else:
+                self.meters.checkpoint_failed()
             for req in waiting:
                 self._reply_checkpoint(req, ck, err)
         if self._ckpt_waiting:
@@ -229,7 +234,7 @@ class ShardServer:
                         info["metrics_url"] = self.metrics_url
                     sent = self._send(wire.pack(wire.HEARTBEAT, info=info))
                     if self.on_metrics is not None:
-                        self.on_metrics(self.core.metrics())
+                        self.on_metrics(self.metrics())
             if not sent:
                 if self.stopping.is_set():
                     break
@@ -312,6 +317,11 @@ class ShardServer:
                 self.reg.sent(self.clock())
             if self.reg.quiet(self.clock()):
                 break   # a slow shard still heartbeats between messages
+
+    def metrics(self) -> dict:
+        """A snapshot for the Prometheus exporter: the core's, the checkpoints' and shared
+        memory's."""
+        return {**self.core.metrics(), **self.meters.snapshot(self.shm)}
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name=f"gradbus-{self.shard_id}", daemon=True)

@@ -11,12 +11,13 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
 
 import gradbus
-from gradbus import admin
+from gradbus import admin, metrics
 from gradbus.broker import log as ulog
 from gradbus.cluster import LocalCluster
 from gradbus.codecs import shm
@@ -53,6 +54,11 @@ def _push_n(client, grads: dict, n: int, acks=1) -> None:
     futs = [client.push(grads, acks=acks) for _ in range(n)]
     for f in futs:
         assert f.result(30)["kind"] == "ack"
+
+
+def _scrape(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return metrics.parse(r.read().decode())
 
 
 def _freed(url: str, n: int) -> None:
@@ -347,7 +353,7 @@ def test_a_full_shm_directory_falls_back_to_frames_with_exact_answers(make_clust
     do not, so weights go as frames; a push too large for the ring's one segment goes as
     frames (the ring cannot grow), the small ones before and after it through the ring."""
     d = small_tmpfs("12m")
-    cluster = make_cluster(2)
+    cluster = make_cluster(2, metrics_port=0)
     small, large = _w0(1000), _w0(9 << 18)          # 4 KB, and 9 MiB
     with gradbus.connect(cluster.url) as c:
         assert c.shm is not None and set(_roles(c.shm.cluster)) == {"b", "w"}   # no board
@@ -363,8 +369,41 @@ def test_a_full_shm_directory_falls_back_to_frames_with_exact_answers(make_clust
         assert np.array_equal(w["b"], large - LR * G)
         assert c.shm.ring.stats["shm_ring_full"] == 1 and c.shm.ring.failed is not None
         _freed(cluster.url, 2)
+        # what the alerts read: the push that went as frames, /dev/shm refused segments
+        cm = metrics.client_snapshot(c)
+        assert cm["gradbus_client_shm_fallbacks"][2][()] == 1
+        assert cm["gradbus_client_shm_exhausted"][2][()] == 1
+        assert cm["gradbus_client_shm_freed"][2][()] == 2
+    urls = wait_for(lambda: len(u := admin.status(cluster.url)["metrics_urls"]) == 3 and u, 15,
+                    "every process's metrics URL")
+    for sid in ("shard-0", "shard-1"):      # no room for a board: weights as frames
+        m = wait_for(lambda sid=sid: (m := _scrape(urls[sid])).get(
+            "gradbus_shard_shm_exhausted") == 1 and m, 15, f"{sid}'s board refused")
+        assert m["gradbus_shard_shm"] == 0
+    b = wait_for(lambda: (b := _scrape(urls["broker"])).get("gradbus_broker_shm_freed_total")
+                 == 2 and b, 15, "the broker's freed pushes in its metrics")
+    assert b["gradbus_broker_shm"] == 1
     cluster.stop()
     assert gradbus_segments(d) == []
+
+
+def test_a_relay_ring_refused_by_a_full_shm_directory_sends_frames_and_says_so(make_cluster,
+                                                                              small_tmpfs):
+    """12 MiB: no room for a 13 MiB relay segment, so pushes from a client without shared
+    memory reach the shard as frames, exactly, and the broker counts them as fallbacks."""
+    small_tmpfs("12m")
+    cluster = make_cluster(1, metrics_port=0)
+    w0 = _w0(13 << 18)                                    # 13 MiB
+    with gradbus.connect(cluster.url, shm=False) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        c.pull(["w"])
+        _push_n(c, {"w": np.full(w0.shape, G, np.float32)}, 1)
+        assert np.array_equal(c.pull(["w"], min_version=1, timeout=30)["w"], w0 - LR * G)
+    url = admin.status(cluster.url)["metrics_url"]
+    b = wait_for(lambda: (b := _scrape(url)).get("gradbus_broker_shm_exhausted") == 1 and b,
+                 15, "the broker's relay ring refused")
+    assert b["gradbus_broker_shm_fallbacks_total"] >= 1
+    assert b["gradbus_broker_shm_relayed_total"] == 0
 
 
 # ----------------------------------------------------------------------------- a restarted broker

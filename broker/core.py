@@ -147,13 +147,14 @@ class BrokerCore:
     def _coalesce(self, actions: list) -> list:
         """The one step after every event: the pushes acknowledged in it become one ACK
         message per client, ``{"msg": first, "msgs": [all]}`` (a send per client, not per
-        push)."""
-        if self.sequencer.freed:
-            actions = self._free(actions)
+        push), which also names the pushes whose shared-memory slots were freed in the step
+        (``free``; a client with none acknowledged gets a FREE). ACKs go first: a producer
+        waits for them, subscribers for the rest."""
+        freed = self._freed() if self.sequencer.freed else None
         if self.sequencer.relays_done:
             actions = [*actions, FreeRelays(tuple(self.sequencer.relays_done))]
             self.sequencer.relays_done.clear()
-        if not actions:
+        if not actions and not freed:
             return actions
         acks: dict[bytes, list[Acked]] | None = None
         out = []
@@ -164,9 +165,10 @@ class BrokerCore:
                 acks.setdefault(a.client, []).append(a)
             else:
                 out.append(a)
-        if acks is None:
+        if acks is None and not freed:
             return actions
-        for client, acked in acks.items():
+        front = []
+        for client, acked in (acks or {}).items():
             msgs = [a.msg for a in acked]
             if hops.ON:
                 hops.stamp("ack_out", msgs)
@@ -176,17 +178,22 @@ class BrokerCore:
             if len(msgs) > 1:
                 fields["msgs"] = msgs
                 fields["vers"] = [a.ver for a in acked]
-            out.append(AckClient(client, [wire.pack(wire.ACK, **fields)], tuple(msgs)))
-        return out
+            free = freed.pop(client, None) if freed else None
+            if free:
+                fields["free"] = free
+            front.append(AckClient(client, [wire.pack(wire.ACK, **fields)], tuple(msgs)))
+        if freed:
+            out += [ToClient(c, [wire.pack(wire.FREE, msgs=m)]) for c, m in freed.items()]
+        return front + out
 
-    def _free(self, actions: list) -> list:
-        """The pushes whose shared-memory slots nothing needs any more: one FREE per client."""
+    def _freed(self) -> dict[bytes, list[int]]:
+        """The pushes whose shared-memory slots nothing needs any more, by client."""
         by_client: dict[bytes, list[int]] = {}
         for client, msg in self.sequencer.freed:
             by_client.setdefault(client, []).append(msg)
         self.sequencer.freed.clear()
         self.meters.counters["shm_freed"] += sum(map(len, by_client.values()))
-        return actions + [ToClient(c, [wire.pack(wire.FREE, msgs=m)]) for c, m in by_client.items()]
+        return by_client
 
     def _unheld(self, identity: bytes, msg, t) -> None:
         """A push (``msg``, descriptors ``t`` as sent) with shared-memory refs that holds

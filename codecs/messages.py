@@ -95,6 +95,7 @@ class Ack:
     header: dict
     ver: int | None = None          # ``msg``'s version, when an int >= 0 came
     vers: dict | None = None        # msg -> version, from ``vers`` beside ``msgs``
+    free: tuple = ()                # pushes whose shared-memory slots are free (ints only)
 
     @property
     def ids(self) -> tuple:
@@ -375,7 +376,9 @@ def _ack(h, P):
                 msgs = tuple(dict.fromkeys(msgs))
         else:
             msgs = None
-    return Ack(h["msg"], msgs, h, _version(h.get("ver")), vers)
+    free = h.get("free")
+    free = tuple(m for m in free if m.__class__ is int) if free.__class__ is list else ()
+    return Ack(h["msg"], msgs, h, _version(h.get("ver")), vers, free)
 
 
 def _batch(h, P):

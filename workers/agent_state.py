@@ -176,6 +176,9 @@ class AgentState:
         m = messages.unpack(frames[0], wire.CLIENT_KINDS)
         kind = m.kind
         if kind in (wire.ACK, wire.INIT_OK) or (kind == wire.ERROR and m.msg is not None):
+            if kind == wire.ACK and m.free and self.shm is not None:
+                # the slots first: a push waiting for this ACK's credit finds room in the ring
+                self.stats["shm_freed"] += self.shm.free(m.free)
             self._settle(m)
         elif kind == wire.FREE:
             if self.shm is not None:

@@ -22,7 +22,7 @@ import uuid
 
 import zmq
 
-from gradbus.codecs import messages, net, security, timing, wire
+from gradbus.codecs import link, messages, net, security, timing, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
@@ -158,6 +158,13 @@ class ShardServer:
         except net.Stopped:
             return False
         self.shm.welcome(welcome)
+        if self.shm.cluster is not None and self.curve is None:
+            lnk = link.connect((welcome.get("shm") or {}).get("link"), link.SHARD,
+                               self.shard_id.encode())
+            if lnk is not None:      # on the broker's host: a local link, not the backend
+                self.sock = link.LinkSocket(lnk)
+                log.info("%s: connected to the broker over a local link", self.shard_id)
+                return True
         backend = net.url(host, welcome["backend"])
         self.sock = self.ctx.socket(zmq.DEALER)
         net.tune(self.sock)
@@ -186,7 +193,7 @@ class ShardServer:
         (see the module's docstring), or the shard is stopping."""
         if self._watch is None:
             self.sock.send(msg)
-            return True
+            return not getattr(self.sock, "lost", False)
         while not self.stopping.is_set():
             failures = self._watch.failures
             step = min(self._send_by, time.monotonic() + net.STOP_STEP)
@@ -252,7 +259,7 @@ class ShardServer:
             self._act(self.reg.start())
             last_ckpt = self.clock()
             while not self.stopping.is_set():
-                if self._handshake_failed():
+                if self._handshake_failed() or getattr(self.sock, "lost", False):
                     self._act(self.reg.lost(self.clock()))
                     continue
                 if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Send ``frames`` to the broker on the DEALER."""
+    """Send ``frames`` to the broker (over the local link where there is one, else the
+    DEALER)."""
     frames: list
 
 

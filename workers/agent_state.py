@@ -31,7 +31,7 @@ from gradbus.codecs import hops, messages, timing, wire
 from gradbus.codecs.errors import Code, WireError, error_from
 
 from .actions import Send, Subscribe
-from .commands import ReadRows, Refresh, Request, SendMessage, Stop, Track
+from .commands import Forward, ReadRows, Refresh, Request, SendMessage, Stop, Track
 from .reads_state import ReadState
 from .resend import ResendTimer
 
@@ -85,12 +85,15 @@ class AgentState:
     def command(self, cmd) -> None:
         t = type(cmd)
         if t is SendMessage:
-            if hops.ON:
+            if hops.ON and not cmd.sent:
                 hops.stamp("agent_send", cmd.msg)
             if cmd.future is not None:
                 self.msg_futures[cmd.msg] = cmd.future
             if self.resend is not None:
                 self.resend.sent(cmd.msg, cmd.frames, self.clock())
+            if not cmd.sent:
+                self.out.append(Send(cmd.frames))
+        elif t is Forward:
             self.out.append(Send(cmd.frames))
         elif t is Request:
             self.req_futures[cmd.req] = cmd.future
@@ -118,6 +121,14 @@ class AgentState:
             self.stopped = True
         else:
             raise TypeError(f"not a command: {cmd!r}")
+
+    def link_lost(self) -> None:
+        """The local link to the broker closed: what it may have carried unanswered goes
+        again, now, on the DEALER (the broker's duplicate window applies each once)."""
+        if self.resend is not None:
+            for frames in self.resend.all(self.clock()):
+                self.stats["resends"] += 1
+                self.out.append(Send(frames))
 
     def fail_all(self, err: BaseException, queued=()) -> None:
         """The agent stops: every queued command's Future and every Future waiting on the

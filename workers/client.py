@@ -131,8 +131,9 @@ class Client(PushMethods, TableMethods):
                 resend=ResendTimer(resend_after, max(RESEND_MAX, resend_after))
                 if resend_after else None, shm=self.shm)
             self.agent = Agent(self.ctx, self.client_id, self.state, self._lock)
+            link_name = (welcome.get("shm") or {}).get("link") if self.shm is not None else None
             self.agent.open(self.url, net.url(host, welcome["events"]), self.curve,
-                            curve_configure)
+                            curve_configure, link_name)
         except BaseException:
             self.ctx.destroy(linger=0)
             if getattr(self, "shm", None) is not None:

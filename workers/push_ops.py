@@ -13,7 +13,7 @@ import numpy as np
 from gradbus.codecs import device, hops, wire
 from gradbus.codecs import tensor as tcodec
 
-from .commands import SendMessage
+from .commands import Forward, SendMessage
 
 
 class PushMethods:
@@ -136,7 +136,17 @@ class PushMethods:
                 if self.shm is not None:
                     bufs = self.shm.place(msg, descs, bufs, list(own.values()) if own else ())
                 frames = [wire.pack(wire.PUSH, descs, msg=msg, acks=acks, **extra), *bufs]
-                self.agent.submit(SendMessage(msg, frames, fut if acks else None))
+                agent = self.agent
+                if agent.link is not None:
+                    # written here, on the local link: the agent only notes it (not woken)
+                    agent.note(SendMessage(msg, frames, fut if acks else None, sent=True))
+                    if agent.direct(frames):
+                        if hops.ON:
+                            hops.stamp("agent_send", msg)
+                    else:
+                        agent.submit(Forward(frames))
+                else:
+                    agent.submit(SendMessage(msg, frames, fut if acks else None))
         except BaseException:
             self.credit.release((msg,))
             if self.shm is not None:

@@ -71,6 +71,15 @@ class ResendTimer:
         self.soon[msg] = now + delay * (1.0 + (msg * 2654435761 % 1024) / 2048)  # x [1, 1.5)
         return True
 
+    def all(self, now: float) -> list[list]:
+        """Every unsettled message's frames, to send again at once (as sent ``now``)."""
+        out = []
+        for ent in self.unsettled.values():
+            ent[1] = now
+            out.append(ent[0])
+        self.soon.clear()
+        return out
+
     def next_at(self) -> float | None:
         """When :meth:`due` next has something to send (None: nothing waits)."""
         if not self.unsettled:

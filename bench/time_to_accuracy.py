@@ -50,7 +50,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "tta_worker.py")
-CONFIGS = {   # name -> how it trains; gradbus configurations share one cluster per run
+CONFIGS = {   # name -> how it trains; the gradbus ones share one cluster, a name prefix per run
     "ddp": {"kind": "ddp"},
     "async": {"kind": "gradbus", "codec": "raw", "consistency": None},
     "ssp": {"kind": "gradbus", "codec": "raw", "consistency": "ssp"},

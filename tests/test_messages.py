@@ -154,7 +154,11 @@ def test_optional_fields_of_the_wrong_type_are_absent():
     m = messages.unpack(wire.pack(wire.ACK, msg=1, msgs=[1, 2], vers=[5, "x"]), ALL)
     assert m.version(1) == 5 and m.version(2) is None
     m = messages.unpack(wire.pack(wire.ACK, msg=1, ver=9), ALL)
-    assert m.version(1) == 9 and m.version(2) is None
+    assert m.version(1) == 9 and m.version(2) is None and m.free == ()
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, free=[1, "x", 3]), ALL)
+    assert m.free == (1, 3)
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, free="x"), ALL)
+    assert m.free == ()
     m = messages.unpack(wire.pack(wire.WELCOME, events=1, backend=2, partitions=3, hb=-1), ALL)
     assert m.hb is None and m.down == ()
     m = messages.unpack(wire.pack(wire.HEARTBEAT, ps=[1], seqs=[1, 2]), ALL)

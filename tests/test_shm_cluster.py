@@ -91,6 +91,7 @@ def test_known_answer_through_rings_and_boards(make_cluster, shm_dir):
         _freed(cluster.url, n)
         wait_for(lambda: not c.shm.ring.held, 10, "the client to hear every FREE")
         assert c.stats["shm_freed"] == n and all(a.idle() for a in c.shm.ring.arenas)
+        assert c.stats["free_messages"] == 0       # each push's slots freed in its ACK
         cnt = _counters(cluster.url)
         assert cnt["pushes_applied"] == n and cnt.get("shm_inlined", 0) == 0
         # the updates it followed referenced the shards' boards, copied out here

@@ -192,6 +192,7 @@ class AgentState:
                 self.stats["shm_freed"] += self.shm.free(m.free)
             self._settle(m)
         elif kind == wire.FREE:
+            self.stats["free_messages"] += 1
             if self.shm is not None:
                 self.stats["shm_freed"] += self.shm.free(m.msgs)
         elif kind == wire.SNAPSHOT_REPLY:

@@ -140,10 +140,9 @@ class PushMethods:
                 if agent.link is not None:
                     # written here, on the local link: the agent only notes it (not woken)
                     agent.note(SendMessage(msg, frames, fut if acks else None, sent=True))
-                    if agent.direct(frames):
-                        if hops.ON:
-                            hops.stamp("agent_send", msg)
-                    else:
+                    if hops.ON:     # before the write: the broker may stamp its hop first
+                        hops.stamp("agent_send", msg)
+                    if not agent.direct(frames):
                         agent.submit(Forward(frames))
                 else:
                     agent.submit(SendMessage(msg, frames, fut if acks else None))

@@ -325,6 +325,56 @@ class Mapper:
     def _stamped(ref, seg) -> bool:
         return _U64.unpack_from(seg.view, ref[1] - ALIGN)[0] == ref[2]
 
+    # -- the newest version of a board block (a live ref: [segment, offset, capacity]) -------
+    def _live(self, ref) -> tuple:
+        """The segment and both versions' header offsets of a live ref, bounds checked."""
+        seg = self.segment(ref[0])
+        off, cap = ref[1], ref[2]
+        if (type(off) is not int or type(cap) is not int or off < HEADER or off % ALIGN
+                or cap < 0 or cap % ALIGN or off + 2 * (cap + ALIGN) > seg.size
+                or seg.stamps is not None):
+            raise WireError(Code.BAD_FIELD, f"segment {seg.name}: {ref[1:]} is no board slot")
+        return seg, off, off + cap + ALIGN
+
+    @staticmethod
+    def _newest(view, h0: int, h1: int) -> tuple[int, int]:
+        """The stamp and header offset of a slot's newest written version ((0, 0): none)."""
+        s0 = _U64.unpack_from(view, h0)[0]
+        s1 = _U64.unpack_from(view, h1)[0]
+        s0 = 0 if s0 == _WRITING else s0
+        s1 = 0 if s1 == _WRITING else s1
+        return (s0, h0) if s0 >= s1 else (s1, h1)
+
+    def live_version(self, ref) -> tuple[int, int] | None:
+        """``(stamp, version)`` of the newest version a live ref's block has, or None when it
+        has none (given up, or never written)."""
+        seg, h0, h1 = self._live(ref)
+        view = seg.view
+        for _ in range(8):
+            stamp, h = self._newest(view, h0, h1)
+            if not stamp:
+                return None
+            version = _U64.unpack_from(view, h + 8)[0]
+            if _U64.unpack_from(view, h)[0] == stamp:
+                return stamp, version
+        return None
+
+    def read_live(self, ref, out: memoryview) -> tuple[int, int] | None:
+        """Copy the newest whole version of a live ref's block into ``out`` (a writable byte
+        view of its size); ``(stamp, version)``, or None when there is none to read (given up,
+        never written, of another size, or rewritten under every attempt)."""
+        seg, h0, h1 = self._live(ref)
+        view, n = seg.view, out.nbytes
+        for _ in range(8):
+            stamp, h = self._newest(view, h0, h1)
+            if not stamp or _U64.unpack_from(view, h + 24)[0] != n:
+                return None
+            out[:] = view[h + ALIGN:h + ALIGN + n]
+            version = _U64.unpack_from(view, h + 8)[0]
+            if _U64.unpack_from(view, h)[0] == stamp:
+                return stamp, version
+        return None
+
     def close(self) -> None:
         with self.lock:
             for seg in self.segs.values():

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
 
 import numpy as np
@@ -94,8 +95,10 @@ def test_known_answer_through_rings_and_boards(make_cluster, shm_dir):
         assert c.stats["free_messages"] == 0       # each push's slots freed in its ACK
         cnt = _counters(cluster.url)
         assert cnt["pushes_applied"] == n and cnt.get("shm_inlined", 0) == 0
-        # the updates it followed referenced the shards' boards, copied out here
-        assert c.stats["updates_received"] > 0
+        # it read the weights from the shards' boards, the newest each time, and needed no
+        # update for that
+        assert c.cache.stats["live_reads"] > 0 and c.stats["updates_received"] == 0
+        assert all(part.live for part in c.cache.parts.values())
         assert any(shm.owned(s)[1] == "s" for s in c.shm.mapper.segs)
     assert "w" not in _roles(tag)          # a closed client's ring is gone at once
     cluster.stop()
@@ -104,8 +107,8 @@ def test_known_answer_through_rings_and_boards(make_cluster, shm_dir):
 
 def test_a_client_without_shm_and_one_with_both_follow_exact_weights(make_cluster, shm_dir):
     """The client without shared memory pushes frames and reads the p topics, whose updates
-    the broker copies out of the boards; the other pushes through its ring and reads the r
-    topics."""
+    the broker copies out of the boards; the other pushes through its ring and reads the
+    boards themselves, with no update."""
     cluster = make_cluster(2)
     w0 = _w0(20_000)
     g_frames, g_ring = np.full(w0.shape, G, np.float32), np.full(w0.shape, 2 * G, np.float32)
@@ -125,7 +128,8 @@ def test_a_client_without_shm_and_one_with_both_follow_exact_weights(make_cluste
         for c in (a, b):
             got = c.pull(["w"], min_version=2 * n, timeout=30)["w"]
             assert np.array_equal(got, expect)
-            assert c.stats["updates_received"] > 0
+        assert a.stats["updates_received"] > 0
+        assert b.stats["updates_received"] == 0 and b.cache.stats["live_reads"] > 0
         _freed(cluster.url, n)                   # the ring client's pushes only
         assert a.stats["shm_freed"] == 0 and b.stats["shm_freed"] == n
         assert _counters(cluster.url)["pushes_applied"] == 2 * n
@@ -448,4 +452,31 @@ def test_a_new_broker_keeps_dead_processes_rings_until_every_shard_registered(sh
             assert _counters(cluster.url)["shm_swept"] >= 3
     finally:
         cluster.stop()
+    assert gradbus_segments(shm_dir) == []
+
+
+def test_a_pull_waiting_on_a_live_partition_follows_it_only_while_it_waits(make_cluster,
+                                                                          shm_dir):
+    """A reader of the boards follows no updates; a pull that waits for a version another
+    client's pushes bring follows the partition's updates meanwhile (woken by them), and not
+    after."""
+    cluster = make_cluster(1)
+    w0 = _w0(4000)
+    n = 40
+    with gradbus.connect(cluster.url, block_bytes=4096) as a, \
+            gradbus.connect(cluster.url, block_bytes=4096) as b:
+        a.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        b.pull(["w"])
+        assert all(p.live for p in b.cache.parts.values()) and not b.state.followed
+        got = {}
+        t = threading.Thread(target=lambda: got.update(b.pull(["w"], min_version=n,
+                                                              timeout=60)))
+        t.start()
+        _push_n(a, {"w": np.full(w0.shape, G, np.float32)}, n)
+        t.join(60)
+        assert np.array_equal(got["w"], w0 - n * LR * G)
+        assert b.stats["live_wakeups"] > 0 and b.stats["updates_received"] == 0
+        wait_for(lambda: not b.state.followed and not b.state.watched, 10,
+                 "the reader to stop following")
+    cluster.stop()
     assert gradbus_segments(shm_dir) == []

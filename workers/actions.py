@@ -16,3 +16,9 @@ class Send:
 class Subscribe:
     """Subscribe the events socket to ``topic``."""
     topic: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Unsubscribe:
+    """Unsubscribe the events socket from ``topic``."""
+    topic: bytes

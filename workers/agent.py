@@ -24,6 +24,7 @@ import zmq
 from gradbus.codecs import link, net, security, wire
 from gradbus.codecs.errors import ClosedError
 
+from .actions import Subscribe
 from .agent_state import AgentState, Send
 
 log = logging.getLogger("gradbus.client")
@@ -183,10 +184,13 @@ class Agent(threading.Thread):
 
     def _act(self) -> None:
         for a in self.state.take():
-            if type(a) is Send:
+            t = type(a)
+            if t is Send:
                 self._send(a.frames)
-            else:
+            elif t is Subscribe:
                 self.sub.subscribe(a.topic)
+            else:
+                self.sub.unsubscribe(a.topic)
 
     def _drain_link(self, lnk: link.Link, poller: zmq.Poller) -> None:
         state, cmds = self.state, self.cmds

@@ -28,10 +28,12 @@ import time
 from concurrent.futures import Future
 
 from gradbus.codecs import hops, messages, timing, wire
+from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError, error_from
 
-from .actions import Send, Subscribe
-from .commands import Forward, ReadRows, Refresh, Request, SendMessage, Stop, Track
+from .actions import Send, Subscribe, Unsubscribe
+from .cache import LiveBlock
+from .commands import Forward, ReadRows, Refresh, Request, SendMessage, Stop, Track, Watch
 from .reads_state import ReadState
 from .resend import ResendTimer
 
@@ -72,6 +74,8 @@ class AgentState:
         self.out: list = []
         self.shm = shm                              # a ClientShm, or None: frames only
         self.topic = wire.topic_partition_shm if shm is not None else wire.topic_partition
+        self.followed: set[int] = set()             # partitions whose updates we subscribe to
+        self.watched: dict[int, int] = {}           # live partition -> pulls waiting on it
         self._hb = wire.pack(wire.HEARTBEAT, **({"shm": True} if shm is not None else {}))
         if shm is not None:     # the broker learns at once that replies may reference shards'
             self.last_hb = now - self.hb_every      # shared memory (the first tick says so)
@@ -106,7 +110,8 @@ class AgentState:
             keys = []
             for layout in cmd.layouts:
                 new_parts, ks = self.cache.track(layout)
-                self.out.extend(Subscribe(self.topic(p)) for p in new_parts)
+                for p in new_parts:
+                    self._follow(p, True)
                 keys += ks
             if keys:
                 self._snapshot(keys, cmd.future)
@@ -117,10 +122,39 @@ class AgentState:
                 parts = self.cache.resync(cmd.keys)
             for p in parts:
                 self._snapshot(self.cache.resync_keys(p), None)
+        elif t is Watch:
+            for p in cmd.parts:
+                n = self.watched.get(p, 0) + (1 if cmd.on else -1)
+                if n > 0:
+                    self.watched[p] = n
+                else:
+                    self.watched.pop(p, None)
+                part = self.cache.parts.get(p)
+                self._follow(p, n > 0 or part is None or not part.live)
+            if cmd.on:      # a change that came before the subscription took hold is seen
+                with self.cond:
+                    self.cond.notify_all()
         elif t is Stop:
             self.stopped = True
         else:
             raise TypeError(f"not a command: {cmd!r}")
+
+    def _follow(self, p: int, on: bool) -> None:
+        """Subscribe to partition ``p``'s updates, or not (live partitions are read from the
+        board and followed only while a pull waits on them)."""
+        if on and p not in self.followed:
+            self.followed.add(p)
+            self.out.append(Subscribe(self.topic(p)))
+        elif not on and p in self.followed:
+            self.followed.discard(p)
+            self.out.append(Unsubscribe(self.topic(p)))
+
+    def went_live(self) -> None:
+        """Partitions a snapshot made live: their updates are no longer followed."""
+        for p in self.cache.newly_live:
+            if p not in self.watched:
+                self._follow(p, False)
+        self.cache.newly_live.clear()
 
     def link_lost(self) -> None:
         """The local link to the broker closed: what it may have carried unanswered goes
@@ -273,10 +307,23 @@ class AgentState:
         tensors (only keys in ``keep``, when given)."""
         mtb = self.max_tensor_bytes
         descs = h.descs(frames, mtb)
-        # a block copied out of a shard's board under matching stamps (d.ref) is whole by the
-        # stamp protocol, and never left this host's memory: it is not hashed again
-        return [(d.key, wire.decode_tensor(d, f, mtb, verify=d.ref is None), d.version or 0,
-                 d.base) for d, f in zip(descs, frames) if keep is None or d.key in keep]
+        live = self.shm is not None and h.kind == wire.SNAPSHOT_REPLY
+        out = []
+        for d, f, raw in zip(descs, frames, h.t):
+            if keep is not None and d.key not in keep:
+                continue
+            ref = raw.get("b") if live else None
+            if (type(ref) is list and len(ref) == 3 and type(ref[0]) is str and d.base is None
+                    and d.codec == "raw"):
+                # where the shard's board keeps the block's newest version: read from there
+                value = LiveBlock(self.shm.mapper, ref, tcodec.DTYPES[d.dtype],
+                                  d.nbytes // tcodec.DTYPES[d.dtype].itemsize)
+            else:
+                # a block copied out of a shard's board under matching stamps (d.ref) is whole
+                # by the stamp protocol, and never left this host's memory: not hashed again
+                value = wire.decode_tensor(d, f, mtb, verify=d.ref is None)
+            out.append((d.key, value, d.version or 0, d.base))
+        return out
 
     def _snapshot(self, keys: list[str], fut: Future | None) -> None:
         self.reads.snapshot(keys, fut)
@@ -294,7 +341,10 @@ class AgentState:
             h = messages.unpack(frames[1], _TABLE)
             with self.cond:
                 self.cache.down = set(h.down)
+                moved = self.cache.on_table(h.epochs) if h.epochs is not None else ()
                 self.cond.notify_all()
+            for p in moved:      # a live partition's primary may have changed: find its board
+                self._snapshot(self.cache.resync_keys(p), None)
         elif topic == wire.TOPIC_HEARTBEAT:
             self._on_heartbeat(messages.unpack(frames[1], _HEARTBEAT))
         elif topic[:1] in (b"p", b"r"):
@@ -316,6 +366,11 @@ class AgentState:
         h = messages.unpack(frames[1], _UPDATE)
         part = self.cache.parts.get(h.p)
         if part is None:
+            return
+        if part.live:            # read from the board: the update only wakes a waiting pull
+            self.stats["live_wakeups"] += 1
+            with self.cond:
+                self.cond.notify_all()
             return
         tensors = frames[2:]
         held = self.shm.board_blocks(h.t, tensors, self.max_tensor_bytes) \

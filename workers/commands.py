@@ -61,9 +61,18 @@ class Refresh:
 
 
 @dataclass(frozen=True, slots=True)
+class Watch:
+    """A pull waits for live partitions ``parts`` to reach a version: follow their updates
+    meanwhile (``on``), or no longer (``on=False``), so that it is woken when they change."""
+    parts: tuple
+    on: bool
+    future: None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """End the agent thread."""
     future: None = None
 
 
-Command = SendMessage | Forward | Request | ReadRows | Track | Refresh | Stop
+Command = SendMessage | Forward | Request | ReadRows | Track | Refresh | Watch | Stop

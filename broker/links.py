@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 
+from zmq import POLLIN, POLLOUT
+
 from gradbus.codecs import link
 
 log = logging.getLogger("gradbus.broker")
@@ -28,24 +30,28 @@ CLIENT, SHARD = link.CLIENT, link.SHARD
 
 
 class Links:
+    """The loop's poller (:meth:`attach`) is kept up to date here: every link is polled for
+    input, and for room while it has output queued (``writing``); ``again`` names the links
+    that hold whole messages already read, which their sockets will not show."""
+
     def __init__(self, cluster: str, counters, errors):
         self.listener, self.name = link.listen(cluster)
         self.counters = counters
         self.errors = errors
         self.by_fd: dict[int, list] = {}           # fd -> [Link, role, identity]
         self.routes: dict[tuple, link.Link] = {}   # (role, identity) -> its link
-        self.changed = True                        # the set of descriptors to poll changed
+        self.poller = None
+        self.writing: set[int] = set()             # polled for room too
+        self.again: set[int] = set()               # whole messages read, not yet handled
 
     def fileno(self) -> int:
         return self.listener.fileno()
 
-    def fds(self) -> dict[int, bool]:
-        """Every link's descriptor -> whether it waits to be writable (queued output)."""
-        return {fd: ent[0].pending > 0 for fd, ent in self.by_fd.items()}
-
-    def buffered(self) -> list[int]:
-        """Links holding whole messages already read (their sockets do not show them)."""
-        return [fd for fd, ent in self.by_fd.items() if ent[0].buffered]
+    def attach(self, poller) -> None:
+        self.poller = poller
+        poller.register(self.listener.fileno(), POLLIN)
+        for fd in self.by_fd:
+            poller.register(fd, POLLIN)
 
     # -- links coming and going -------------------------------------------------------------------
     def accept(self) -> None:
@@ -58,7 +64,8 @@ class Links:
                 return
             lnk.limit = CLIENT_QUEUE
             self.by_fd[lnk.fd] = [lnk, None, None]
-            self.changed = True
+            if self.poller is not None:
+                self.poller.register(lnk.fd, POLLIN)
 
     def _drop(self, fd: int) -> None:
         ent = self.by_fd.pop(fd, None)
@@ -67,8 +74,11 @@ class Links:
         lnk, role, ident = ent
         if role is not None and self.routes.get((role, ident)) is lnk:
             del self.routes[(role, ident)]
+        if self.poller is not None:
+            self.poller.unregister(fd)
+        self.writing.discard(fd)
+        self.again.discard(fd)
         lnk.close()
-        self.changed = True
 
     def read(self, fd: int, limit: int) -> list[tuple]:
         """Up to ``limit`` messages of link ``fd``: ``(role, identity, frames)``; the link's
@@ -91,6 +101,11 @@ class Links:
             if lnk.bad:
                 log.warning("a local link sent %s: closed", lnk.bad)
             self._drop(fd)
+            return out
+        if lnk.buffered:
+            self.again.add(fd)
+        else:
+            self.again.discard(fd)
         return out
 
     def _introduce(self, fd: int, ent: list, frames) -> bool:
@@ -115,10 +130,13 @@ class Links:
 
     def writable(self, fd: int) -> None:
         ent = self.by_fd.get(fd)
-        if ent is not None:
-            ent[0].flush()
-            if ent[0].closed:
-                self._drop(fd)
+        if ent is None:
+            return
+        if ent[0].flush() and fd in self.writing:
+            self.writing.discard(fd)
+            self.poller.register(fd, POLLIN)       # nothing queued: input only again
+        if ent[0].closed:
+            self._drop(fd)
 
     # -- sending ---------------------------------------------------------------------------------
     def send(self, role: bytes, identity: bytes, frames) -> bool | None:
@@ -128,8 +146,9 @@ class Links:
         if lnk is None:
             return None
         if lnk.send(frames):
-            if lnk.pending:
-                self.changed = True
+            if lnk.pending and lnk.fd not in self.writing and self.poller is not None:
+                self.writing.add(lnk.fd)
+                self.poller.register(lnk.fd, POLLIN | POLLOUT)
             return True
         if lnk.closed:
             self._drop(lnk.fd)

@@ -240,27 +240,15 @@ class BrokerServer:
                                  identity, frames)
         return n
 
-    def _sync_poller(self, poller: zmq.Poller, registered: dict) -> None:
-        """Poll every link for input, and for room where it has output queued."""
-        want = {fd: zmq.POLLIN | (zmq.POLLOUT if out else 0)
-                for fd, out in self.links.fds().items()}
-        for fd in [fd for fd in registered if fd not in want]:
-            poller.unregister(fd)
-            del registered[fd]
-        for fd, flags in want.items():
-            if registered.get(fd) != flags:
-                poller.register(fd, flags)       # registers, or modifies the flags
-                registered[fd] = flags
-        self.links.changed = False
-
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.backend, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)   # subscription notices: what topics to send
         poller.register(self.frontend, zmq.POLLIN)  # always: the byte cap holds producers back
-        links, registered = self.links, {}
+        links = self.links
         if links is not None:
-            poller.register(links.fileno(), zmq.POLLIN)
+            links.attach(poller)
+            listener = links.fileno()
         tick_every = self.core.settings.heartbeat_interval / 2
         next_tick = self.clock()
         first_pending = None
@@ -270,26 +258,25 @@ class BrokerServer:
                 timeout = max(0.0, next_tick - now)
                 if first_pending is not None:
                     timeout = min(timeout, max(0.0, first_pending + self.batch_window - now))
-                if links is not None:
-                    self._sync_poller(poller, registered)
-                    if links.buffered():
-                        timeout = 0.0
+                if links is not None and links.again:
+                    timeout = 0.0
                 events = dict(poller.poll(min(timeout, 0.05) * 1000))
                 if self.events in events:
                     self._drain_subscriptions()
                 if links is not None:
-                    ready = [fd for fd, ev in events.items() if type(fd) is int
-                             and ev & zmq.POLLIN and fd in links.by_fd]
-                    ready += [fd for fd in links.buffered() if fd not in ready]
+                    ready = set(links.again)
                     for fd, ev in events.items():
-                        if type(fd) is int and ev & zmq.POLLOUT:
-                            links.writable(fd)
+                        if type(fd) is int and fd != listener:
+                            if ev & zmq.POLLOUT:
+                                links.writable(fd)
+                            if ev & ~zmq.POLLOUT:
+                                ready.add(fd)
                     self._drain_links(ready, SHARD)
                 if self.backend in events:
                     self._drain(self.backend, self.handlers.on_backend, DRAIN_MAX)
                 if links is not None:
                     self._drain_links(ready, CLIENT)
-                    if links.fileno() in events:
+                    if listener in events:
                         links.accept()
                 if self.frontend in events:
                     self._drain(self.frontend, self.on_frontend, DRAIN_MAX)

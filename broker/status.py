@@ -33,6 +33,10 @@ _BROKER_COUNTERS = (
      "Batches of pushes that arrived as frames, handed to shards through the broker's ring."),
     ("shm_inlined", "shm_inlined",
      "Batches turned back into frames for a shard or log that does not read shared memory."),
+    ("links_opened", "links_opened",
+     "Local links opened by clients and shards on the broker's host (introduced and routed)."),
+    ("links_refused", "links_refused",
+     "Local links closed at once: a bad introduction, a live shard's identity, too many links."),
     ("shm_fallbacks", "shm_relay_full",
      "Batches that should have gone to shards through shared memory and went as frames: the "
      "broker's ring had no room (or /dev/shm none for a new segment)."),

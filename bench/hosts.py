@@ -38,8 +38,13 @@ One JSON line per system, size, workers W, depth, codec and weights codec (media
                          the server host's link, each way
     fresh_p50_ms, fresh_p99_ms
                          push to the worker holding weights that include it
+    drops_per_s          packets the links' shapers dropped per second (a queue of 5 ms of
+                         the link's rate was full), all links
     cpu_util             CPU seconds of every process of the configuration over the window,
                          per second and per core of this machine (1.0: every core busy)
+    cpu_ms_server, cpu_ms_workers
+                         CPU milliseconds per update of the server host's processes (gradbus
+                         up, its broker and shards; the RPC server) and of all the workers
     vs_rpc               updates_per_s over rpc's at the same size, W and depth (each round's
                          ratio, then their median)
     vs_raw               over gradbus's with raw gradients and raw weights at the same size, W
@@ -48,8 +53,10 @@ One JSON line per system, size, workers W, depth, codec and weights codec (media
 
 Usage (as root): python bench/hosts.py [--link 1gbit] [--server-link 10gbit] [--delay 0]
     [--server-delay 0] [--systems gradbus,rpc] [--workers 1,2,4] [--depth 1,4] [--sizes 4M]
-    [--codec raw] [--weights-codec raw] [--shards 1] [--seconds 4] [--warmup 1.5] [--repeat 1]
-Lists (``--codec raw,bf16``) run every combination; a chain with commas has none (``|``).
+    [--codec raw] [--weights-codec raw] [--pairs G/W,...] [--shards 1] [--seconds 4]
+    [--warmup 1.5] [--repeat 1]
+Lists (``--codec raw,bf16``) run every combination (stages of a chain are joined by ``|``);
+``--pairs raw/raw,topk:0.01|int8/delta|bf16`` runs the gradient/weights pairs given instead.
 """
 from __future__ import annotations
 
@@ -97,7 +104,7 @@ def measure(system: str, hosts, run: dict) -> dict:
             s = {"t": time.monotonic(), "counts": list(counters),
                  "workers": [hosts_net.dev_bytes(pid, WORKER_DEV) for pid in pids["workers"]],
                  "server": hosts_net.dev_bytes(pids["server"], SERVER_DEV),
-                 "cpu": peers.cpu_seconds()}
+                 "cpu": peers.cpu_seconds(), "drops": hosts.drops()}
             samples.append(s)
             return s
         count_window(counters, alive, run["warmup"], run["seconds"], sample=sample,
@@ -112,6 +119,9 @@ def measure(system: str, hosts, run: dict) -> dict:
     for s in lat:
         fresh += s.window(first["t"], last["t"])[1]
     done = sum(pushes)
+    cpu = peers.cpu_between(first["cpu"], last["cpu"])
+    cpu_workers = sum(last["cpu"].get(pid, 0.0) - first["cpu"].get(pid, 0.0)
+                      for pid in pids["workers"])
     link, server = hosts.link_bps * secs / 8, hosts.server_bps * secs / 8   # bytes a window
     return {"updates_per_s": done / secs,
             "rx_per_push": sum(rx) / done if done else None,
@@ -121,7 +131,10 @@ def measure(system: str, hosts, run: dict) -> dict:
             "worker_up_util": statistics.mean(tx) / link,
             "server_in_util": srx / server, "server_out_util": stx / server,
             "fresh_p50_ms": peers._ms(fresh, 50), "fresh_p99_ms": peers._ms(fresh, 99),
-            "cpu_util": peers.cpu_between(first["cpu"], last["cpu"]) / secs / os.cpu_count()}
+            "cpu_util": cpu / secs / os.cpu_count(),
+            "cpu_ms_server": 1e3 * (cpu - cpu_workers) / done if done else None,
+            "cpu_ms_workers": 1e3 * cpu_workers / done if done else None,
+            "drops_per_s": (last["drops"] - first["drops"]) / secs}
 
 
 # ----------------------------------------------------------------------------- output
@@ -157,7 +170,7 @@ def line(key: tuple, rounds: list, a) -> dict:
     out["rx_over_tx"] = [_sig(_median([r["rx_over_tx"][i] for r in runs]), 3)
                          for i in range(w)] if runs else None
     for f in ("worker_down_util", "worker_up_util", "server_in_util", "server_out_util",
-              "cpu_util"):
+              "cpu_util", "cpu_ms_server", "cpu_ms_workers", "drops_per_s"):
         out[f] = _sig(med.get(f), 3)
     for f in ("fresh_p50_ms", "fresh_p99_ms"):
         out[f] = _sig(med.get(f))
@@ -187,7 +200,13 @@ def _lists(a, ap) -> tuple:
     except ValueError:
         ap.error("--workers and --depth are lists of positive integers")
     systems, sizes = a.systems.split(","), a.sizes.split(",")
-    codecs, wcodecs = a.codec.split(","), a.weights_codec.split(",")
+    if a.pairs:         # GRADIENT/WEIGHTS chains, each pair as given
+        pairs = [tuple(p.split("/")) for p in a.pairs.split(",")]
+        if any(len(p) != 2 for p in pairs):
+            ap.error("--pairs is a list of GRADIENT/WEIGHTS chains, e.g. raw/raw,bf16/delta|bf16")
+    else:
+        pairs = list(itertools.product(a.codec.split(","), a.weights_codec.split(",")))
+    codecs, wcodecs = {p[0] for p in pairs}, {p[1] for p in pairs}
     if (min(workers) < 1 or min(depths) < 1 or a.repeat < 1 or a.shards < 1
             or not set(systems) <= set(SYSTEMS) or not set(sizes) <= set(throughput.SIZES)):
         ap.error(f"--workers, --depth, --repeat and --shards must be at least 1, --systems a "
@@ -211,8 +230,8 @@ def _lists(a, ap) -> tuple:
         except ValueError as e:
             ap.error(str(e))
     keys = []
-    for size, w, depth, codec, wcodec, system in itertools.product(
-            sizes, workers, depths, codecs, wcodecs, systems):
+    for size, w, depth, (codec, wcodec), system in itertools.product(
+            sizes, workers, depths, pairs, systems):
         if system == "rpc" and (codec, wcodec) != ("raw", "raw"):
             continue        # the RPC peer has no codecs
         keys.append((system, size, w, depth, codec, wcodec))
@@ -232,6 +251,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default="4M")
     ap.add_argument("--codec", default="raw", help="gradbus's gradient chains, a list")
     ap.add_argument("--weights-codec", default="raw", help="the shard's weights chains, a list")
+    ap.add_argument("--pairs", default=None,
+                    help="GRADIENT/WEIGHTS chain pairs instead of every combination of --codec "
+                         "and --weights-codec, e.g. raw/raw,topk:0.01|int8/delta|bf16")
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--warmup", type=float, default=1.5)

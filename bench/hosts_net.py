@@ -163,6 +163,7 @@ class Hosts:
         self.server = f"{PREFIX}{os.getpid()}-s"
         self.workers = [f"{PREFIX}{os.getpid()}-w{i}" for i in range(workers)]
         self.made: list[str] = []
+        self.shaped: list[tuple] = []     # (namespace, interface) of every shaper
         self.server_addr = SERVER_ADDR
         self._ports = itertools.count(20000)
 
@@ -227,9 +228,9 @@ class Hosts:
         run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
         run("ip", "-n", ns, "link", "set", dev, "up")
 
-    @staticmethod
-    def _shape(ns: str, dev: str, bps: int, delay: float) -> None:
+    def _shape(self, ns: str, dev: str, bps: int, delay: float) -> None:
         """A token bucket at ``bps`` on ``dev``'s way out, a netem delay under it."""
+        self.shaped.append((ns, dev))
         burst = max(MIN_BURST, bps // 8 // 1000)          # a millisecond of the rate
         limit = max(4 * burst, int(bps / 8 * QUEUE_SECONDS))
         run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf",
@@ -244,11 +245,19 @@ class Hosts:
 
     def qdisc_bytes(self, ns: str, dev: str) -> int:
         """Bytes the link's token bucket on ``dev`` passed (what went through the shaper)."""
+        return self._tbf(ns, dev)[0]
+
+    def drops(self) -> int:
+        """Packets every shaper of these hosts dropped (a full queue) since they were made."""
+        return sum(self._tbf(ns, dev)[1] for ns, dev in self.shaped)
+
+    @staticmethod
+    def _tbf(ns: str, dev: str) -> tuple[int, int]:
         out = run("tc", "-s", "-n", ns, "qdisc", "show", "dev", dev).stdout
-        m = re.search(r"qdisc tbf 1: .*?\n\s*Sent (\d+) bytes", out)
+        m = re.search(r"qdisc tbf 1: .*?\n\s*Sent (\d+) bytes \d+ pkt \(dropped (\d+)", out)
         if not m:
             raise HostsError(f"no token bucket on {dev} in {ns}: {out!r}")
-        return int(m.group(1))
+        return int(m.group(1)), int(m.group(2))
 
     def close(self) -> None:
         """Deletes every namespace made (their veths, bridge and qdiscs go with them), with

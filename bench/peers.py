@@ -68,6 +68,8 @@ import time
 
 import numpy as np
 
+from gradbus.cluster import _die_with_parent
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import floor  # noqa: E402  (the shm pipeline, the window, the samples, the process reaping)
 import throughput  # noqa: E402  (the sizes and free ports)
@@ -127,24 +129,39 @@ def environment(**values):
 
 # ----------------------------------------------------------------------------- configurations
 @contextlib.contextmanager
-def rpc_config(run: dict, counters, stop, lat, tcp_only: bool, clone: bool):
+def rpc_config(run: dict, counters, stop, lat, tcp_only: bool, clone: bool, hosts=None,
+               pids: dict | None = None):
+    """The RPC peer's world running; yields ``alive()``. With ``hosts`` (bench/hosts_net.py's
+    Hosts) the server runs in its server namespace and trainer i in its worker namespace i;
+    ``pids``, where given, gets the server's and the workers' process ids."""
     import peers_rpc  # torch is imported only here
     ctx = mp.get_context("spawn")
-    procs = peers_rpc.processes(ctx, run["workers"], run["bytes"], throughput.free_port(),
-                                tcp_only, clone, run["depth"], counters, stop, lat)
+    places = hosts.rpc_places(run["workers"]) if hosts is not None else None
+    port = hosts.next_port() if hosts is not None else throughput.free_port()
+    procs = peers_rpc.processes(ctx, run["workers"], run["bytes"], port, tcp_only, clone,
+                                run["depth"], counters, stop, lat, places)
     try:
         for p in procs:
             p.start()
+        if pids is not None:
+            pids.update(server=procs[0].pid, workers=[p.pid for p in procs[1:]])
         yield lambda: all(p.exitcode is None for p in procs)
     finally:
-        stop.value = 1
-        for p in procs:
-            if p.pid is not None:
-                p.join(30)
-        stop_processes(procs)
+        end_workers(procs, stop, 30)
 
 
-def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, stop, lat) -> None:
+def end_workers(procs: list, stop, grace: float) -> None:
+    """Sets the stop flag, gives each started process ``grace`` seconds to end by itself,
+    then ends and reaps them all."""
+    stop.value = 1
+    for p in procs:
+        if p.pid is not None:
+            p.join(grace)
+    stop_processes(procs)
+
+
+def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, stop, lat,
+                    codec: str = "raw") -> None:
     import gradbus
     from gradbus.codecs import hops
     n = nbytes // 4
@@ -156,7 +173,7 @@ def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, sto
         k = 0
         while not stop.value:
             lat.sent(k)
-            fut = c.push({"w": g}, acks=1)
+            fut = c.push({"w": g}, acks=1, codec=codec)
             fut.add_done_callback(lambda _f, k=k: lat.acked(k))
             waiting.append((k, fut))
             k += 1
@@ -200,31 +217,48 @@ def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def gradbus_config(run: dict, counters, stop, lat, worker_shm: str):
+def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
+                   pids: dict | None = None):
+    """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
+    workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. With ``hosts``
+    (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
+    and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`."""
     ctx = mp.get_context("spawn")
     up, procs = None, []
+    env = {**os.environ, "GRADBUS_SHM": "1"}
+    if run.get("weights_codec"):
+        env["GRADBUS_SHARD_WEIGHTS_CODEC"] = run["weights_codec"]
+    cmd = [sys.executable, "-m", "gradbus", "up", "--shards", str(run.get("shards", 1))]
+    if hosts is None:
+        cmd += ["--port", str(throughput.free_port())]
+    else:
+        cmd = [*hosts.exec_prefix(hosts.server), *cmd, "--host", hosts.server_addr,
+               "--port", str(hosts.next_port())]
     with tempfile.NamedTemporaryFile("w+", prefix="gradbus-peers-up-", suffix=".log") as log:
         try:
-            cmd = [sys.executable, "-m", "gradbus", "up", "--shards", "1",
-                   "--port", str(throughput.free_port())]
-            up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                   stdin=subprocess.DEVNULL, start_new_session=True,
-                                  env={**os.environ, "GRADBUS_SHM": "1"})
+                                  preexec_fn=_die_with_parent)
             url = _wait_ready(up, log.name, READY_TIMEOUT)
             with environment(GRADBUS_SHM=worker_shm):
-                procs = [ctx.Process(target=_gradbus_worker, daemon=True,
-                                     args=(url, i, run["bytes"], run["depth"], counters, stop,
-                                           lat[i]))
-                         for i in range(run["workers"])]
+                for i in range(run["workers"]):
+                    args = (url, i, run["bytes"], run["depth"], counters, stop, lat[i],
+                            run.get("codec", "raw"))
+                    target = _gradbus_worker
+                    if hosts is not None:
+                        target, args = hosts.in_worker(i, target, args)
+                    procs.append(ctx.Process(target=target, args=args, daemon=True))
                 for p in procs:
                     p.start()
+            if pids is not None:
+                pids.update(server=up.pid, workers=[p.pid for p in procs])
             yield lambda: up.poll() is None and all(p.exitcode is None for p in procs)
+        except Exception:
+            log.seek(0)
+            print(f"peers: gradbus up said:\n{log.read()[-2000:]}", file=sys.stderr)
+            raise
         finally:
-            stop.value = 1
-            for p in procs:
-                if p.pid is not None:
-                    p.join(60)
-            stop_processes(procs)
+            end_workers(procs, stop, 60)
             if up is not None:
                 _end_group(up)
 

@@ -87,12 +87,21 @@ def _die_with_parent() -> None:
 
 
 def _process(rank: int, trainers: int, n: int, port: int, tcp_only: bool, clone: bool,
-             depth: int, counters, stop, lat) -> None:
-    """One process of the world: rank 0 the server, which starts the trainers' loops."""
+             depth: int, counters, stop, lat, place: tuple | None = None) -> None:
+    """One process of the world: rank 0 the server, which starts the trainers' loops.
+    ``place``, where given, is (network namespace, the server's address, this process's
+    interface): the process joins the namespace before it starts a thread (bench/hosts.py)."""
     global _counters, _stop, _lat
     _die_with_parent()
     _counters, _stop, _lat = counters, stop, lat
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_SOCKET_IFNAME="lo")
+    if place is not None:
+        import hosts_net
+        ns, addr, ifname = place
+        hosts_net.enter(ns)
+        # init_rpc's Gloo group takes its interface from GLOO_SOCKET_IFNAME, TensorPipe's
+        # listeners from TP_SOCKET_IFNAME
+        os.environ.update(MASTER_ADDR=addr, TP_SOCKET_IFNAME=ifname, GLOO_SOCKET_IFNAME=ifname)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="You are using a Backend")   # init_rpc's own
     if tcp_only:
@@ -110,9 +119,10 @@ def _process(rank: int, trainers: int, n: int, port: int, tcp_only: bool, clone:
 
 
 def processes(ctx, trainers: int, nbytes: int, port: int, tcp_only: bool, clone: bool,
-              depth: int, counters, stop, lat) -> list:
-    """The world's processes (not started): the server, then the trainers."""
+                depth: int, counters, stop, lat, places: list | None = None) -> list:
+    """The world's processes (not started): the server, then the trainers; ``places[rank]``
+    says where each runs (see :func:`_process`), all on this host's loopback without it."""
     return [ctx.Process(target=_process, daemon=True,
                         args=(rank, trainers, nbytes // 4, port, tcp_only, clone, depth,
-                              counters, stop, lat))
+                              counters, stop, lat, places[rank] if places else None))
             for rank in range(trainers + 1)]

@@ -43,6 +43,7 @@ import re
 import struct
 import sys
 import threading
+import time
 
 import numpy as np
 import xxhash
@@ -261,20 +262,39 @@ class Mapper:
     def __init__(self, limit: int = MAX_MAPPED):
         self.limit = limit
         self.segs: collections.OrderedDict[str, Segment] = collections.OrderedDict()
+        self.used: dict[str, float] = {}      # name -> when it was last asked for (monotonic)
         self.lock = threading.Lock()
 
     def segment(self, name: str) -> Segment:
+        now = time.monotonic()
         with self.lock:
             seg = self.segs.get(name)
             if seg is not None:
                 self.segs.move_to_end(name)
+                self.used[name] = now
                 return seg
         seg = Segment.open(name)
         with self.lock:
             self.segs[name] = seg
+            self.used[name] = now
             while len(self.segs) > self.limit:
-                self.segs.popitem(last=False)[1].close()
+                old, gone = self.segs.popitem(last=False)
+                self.used.pop(old, None)
+                gone.close()
         return seg
+
+    def prune(self, idle: float) -> int:
+        """Close the segments whose file is gone (their owner removed it, or it was swept)
+        and that nobody asked for in the last ``idle`` seconds: a dead client's ring, mapped
+        (memory and a descriptor) for nothing. Returns how many."""
+        now = time.monotonic()
+        with self.lock:
+            gone = [name for name, seg in self.segs.items()
+                    if now - self.used.get(name, 0.0) >= idle and not os.path.exists(seg.path)]
+            for name in gone:
+                self.segs.pop(name).close()
+                self.used.pop(name, None)
+        return len(gone)
 
     def view(self, ref, n: int) -> memoryview:
         """The ``n`` bytes a ring ref names (a read-only view into the peer's segment)."""
@@ -380,6 +400,7 @@ class Mapper:
             for seg in self.segs.values():
                 seg.close()
             self.segs.clear()
+            self.used.clear()
 
 
 def _copy_reply(seg: Segment, off: int, n: int, stamp: int) -> bytearray | None:

@@ -30,7 +30,7 @@ from . import checkpoint
 from .core import ShardCore
 from .meters import ShardMeters
 from .registration import Connect, Heartbeat, Register, Registration
-from .shm_io import ShardShm
+from .shm_io import PRUNE_EVERY, ShardShm
 
 log = logging.getLogger("gradbus.shard")
 
@@ -257,7 +257,7 @@ class ShardServer:
     def run(self) -> None:
         try:
             self._act(self.reg.start())
-            last_ckpt = self.clock()
+            last_ckpt = next_prune = self.clock()
             while not self.stopping.is_set():
                 if self._handshake_failed() or getattr(self.sock, "lost", False):
                     self._act(self.reg.lost(self.clock()))
@@ -267,6 +267,9 @@ class ShardServer:
                 now = self.clock()
                 if self._ckpt_done:
                     self._checkpoint_replies()
+                if now >= next_prune:
+                    next_prune = now + PRUNE_EVERY
+                    self.shm.prune()
                 if (self.checkpoint_interval and self.data_dir and self._ckpt_thread is None
                         and now - last_ckpt >= self.checkpoint_interval):
                     last_ckpt = now

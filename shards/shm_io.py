@@ -25,6 +25,9 @@ from gradbus.codecs.errors import WireError
 
 log = logging.getLogger("gradbus.shard")
 
+PRUNE_EVERY = 5.0     # seconds between looks for peers' segments that are gone
+PRUNE_IDLE = 30.0     # ... and not read for this long: unmapped
+
 
 def reply_cap(value: int | None = None) -> int:
     """The reply area's cap in bytes: ``value``, else ``$GRADBUS_SHM_REPLY_MB`` MiB, else
@@ -95,6 +98,13 @@ class ShardShm:
             publisher.replies = self.replies
         else:
             publisher.board = publisher.replies = None
+
+    def prune(self) -> None:
+        """Unmap peers' segments that are gone and unused for ``PRUNE_IDLE`` seconds (the rings
+        of clients that closed or died): no batch in flight can still name one."""
+        n = self.mapper.prune(PRUNE_IDLE)
+        if n:
+            self.stats["shm_unmapped"] = self.stats.get("shm_unmapped", 0) + n
 
     def resolve(self, t: list, frames: list) -> bool:
         """The bytes a message from the broker references in clients' rings (or in a shard's

@@ -501,3 +501,22 @@ def test_live_reads_against_a_writer_process_are_whole_and_never_go_back():
     finally:
         reader.close()
         assert end_code(proc) == 0
+
+
+def test_a_reader_unmaps_segments_that_are_gone_once_unused_for_long_enough():
+    live, dead = shm.Ring(CLUSTER, 1 << 20), shm.Ring(CLUSTER, 1 << 20)
+    reader = shm.Mapper()
+    try:
+        refs = [r.place(1, [b"x" * 64])[0] for r in (live, dead)]
+        for ref in refs:
+            assert bytes(reader.view(ref, 64)) == b"x" * 64
+        dead.close()                          # its owner removed it: gone from the directory
+        assert reader.prune(idle=3600) == 0   # used just now: kept (a batch may still name it)
+        assert reader.prune(idle=0) == 1
+        assert set(reader.segs) == {refs[0][0]} and set(reader.used) == {refs[0][0]}
+        assert bytes(reader.view(refs[0], 64)) == b"x" * 64
+        assert reader.prune(idle=0) == 0      # a segment still there is never unmapped
+    finally:
+        reader.close()
+        live.close()
+        dead.close()

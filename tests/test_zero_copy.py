@@ -282,6 +282,60 @@ def test_a_live_partition_reads_the_board_needs_no_update_and_resyncs_on_an_epoc
         board.close()
 
 
+def test_a_live_partition_finds_its_board_again_when_its_shard_is_a_new_process():
+    """A restarted shard keeps its name and epoch but writes a new board: the TABLE that shows
+    its partitions back up, another primary, or an UPDATE newer than the board, each sends the
+    live partition back to be snapshot; the same table again, or an update the board already
+    holds, does not."""
+    old, new = (shm.Board("00c0ffee", segment_bytes=1 << 20) for _ in range(2))
+    mapper = shm.Mapper()
+    P, block = 4, 2
+    cache = WeightCache(P)
+    layout = TensorLayout("w", "float32", (8,), block)
+    cache.track(layout)
+    keys = layout.block_keys()
+    parts = sorted({partition_of(k, P) for k in keys})
+
+    def go_live(board, version):
+        for k in keys:
+            board.write(k, np.full(block, float(version), np.float32), version=version,
+                        seq=version)
+        cache.on_snapshot({p: version for p in parts},
+                          [(k, LiveBlock(mapper, board.live_ref(k), np.float32, block), version,
+                            None) for k in keys])
+
+    try:
+        go_live(old, 5)
+        owners = ["s0"] * P
+        epochs = [1] * P
+        assert sorted(cache.on_table(epochs, owners, set())) == parts      # the first TABLE
+        go_live(old, 5)
+        assert cache.on_table(epochs, owners, set()) == []
+        p0 = parts[0]
+        # its shard dies: down, nothing to snapshot from yet
+        assert cache.on_table(epochs, owners, {p0}) == [] and not cache.parts[p0].resync
+        # back up under the same name and epoch: its board is another one
+        assert cache.on_table(epochs, owners, set()) == [p0] and cache.parts[p0].resync
+        go_live(new, 6)
+        assert cache.on_table(epochs, owners, set()) == [] and cache.version("w") == 6
+        # another primary, the same epoch (a restarted broker adopted the other copy)
+        owners[p0] = "s1"
+        assert cache.on_table(epochs, owners, set()) == [p0]
+        go_live(new, 6)
+        # an update the board already holds changes nothing; one ahead of it (the shard
+        # restarted unseen, the client reading the dead board) resyncs
+        key0 = next(k for k in keys if partition_of(k, P) == p0)
+        assert not cache.live_behind(p0, [(key0, 6)]) and not cache.parts[p0].resync
+        go_live(old, 6)     # reading the old board again, which stays at 6
+        assert cache.live_behind(p0, [(key0, 7)]) and cache.parts[p0].resync
+        assert not cache.live_behind(p0, [(key0, 8)])       # asked once, not again
+        cache.validate_state()
+    finally:
+        mapper.close()
+        old.close()
+        new.close()
+
+
 def test_a_block_rewritten_before_the_read_waits_for_its_update():
     board = shm.Board("00c0ffee", segment_bytes=1 << 20)
     cache, publish, apply, mapper = _board_cache(board)

@@ -341,7 +341,8 @@ class AgentState:
             h = messages.unpack(frames[1], _TABLE)
             with self.cond:
                 self.cache.down = set(h.down)
-                moved = self.cache.on_table(h.epochs) if h.epochs is not None else ()
+                moved = self.cache.on_table(h.epochs, h.owners, self.cache.down) \
+                    if h.epochs is not None else ()
                 self.cond.notify_all()
             for p in moved:      # a live partition's primary may have changed: find its board
                 self._snapshot(self.cache.resync_keys(p), None)
@@ -370,7 +371,13 @@ class AgentState:
         if part.live:            # read from the board: the update only wakes a waiting pull
             self.stats["live_wakeups"] += 1
             with self.cond:
+                behind = self.cache.live_behind(h.p, [(d.get("k"), d.get("ver"))
+                                                      for d in h.t if type(d) is dict
+                                                      and type(d.get("ver")) is int])
                 self.cond.notify_all()
+            if behind:
+                self.stats["live_boards_stale"] += 1
+                self._snapshot(self.cache.resync_keys(h.p), None)
             return
         tensors = frames[2:]
         held = self.shm.board_blocks(h.t, tensors, self.max_tensor_bytes) \

@@ -121,7 +121,7 @@ class WeightCache:
         # bytes as well: not kept for nobody)
         self.joined: dict[str, np.ndarray | weakref.ref] = {}
         self.joined_stamps: dict[str, tuple] = {}   # name -> its live blocks' stamps then
-        self.epochs: list | None = None             # partition epochs of the last TABLE
+        self.epochs: list | None = None     # (epoch, primary) per partition, last TABLE
         self.newly_live: list[int] = []             # partitions that became live (unfollowed)
 
     # -- tracking ------------------------------------------------------------------------
@@ -249,19 +249,41 @@ class WeightCache:
                 behind.append(p)
         return behind
 
-    def on_table(self, epochs) -> list[int]:
-        """A TABLE's partition epochs: live partitions whose epoch changed since the last
-        TABLE (or that no TABLE named before) go back to resync, to be snapshot again (their
-        primary may be another shard now, with another board). Returns them."""
-        prev, self.epochs = self.epochs, list(epochs)
+    def on_table(self, epochs, owners=None, down=()) -> list[int]:
+        """A TABLE's partition epochs (and primaries, and partitions down): live partitions
+        whose board may be another one now go back to resync, to be snapshot again. That is
+        one whose epoch or primary changed since the last TABLE (or that no TABLE named
+        before), and one back up after it was down (its shard came back as a new process,
+        with a new board, under the same name and epoch). Returns them."""
+        key = [None if p in down else (e, owners[p] if owners and p < len(owners) else None)
+               for p, e in enumerate(epochs)]
+        prev, self.epochs = self.epochs, key
         out = []
         for p, part in self.parts.items():
-            if not part.live or part.resync:
+            if not part.live or part.resync or p >= len(key) or key[p] is None:
                 continue
-            if prev is None or p >= len(prev) or p >= len(epochs) or prev[p] != epochs[p]:
+            if prev is None or p >= len(prev) or prev[p] != key[p]:
                 part.resync = True
                 out.append(p)
         return out
+
+    def live_behind(self, p: int, versions) -> bool:
+        """An UPDATE of live partition ``p`` names block versions ``[(key, version)]``; a shard
+        writes its board before it publishes, so a board whose block is older than that is
+        not the one the partition is published from now (its shard was restarted in place, or
+        it moved unseen): the partition goes back to resync. Whether it did."""
+        part = self.parts.get(p)
+        if part is None or not part.live or part.resync:
+            return False
+        for key, version in versions:
+            blk = self.blocks.get(key)
+            if blk is None or type(blk.value) is not LiveBlock:
+                continue
+            head = blk.value.head()
+            if head is None or head[1] < version:
+                part.resync = True
+                return True
+        return False
 
     def resync(self, keys) -> list[int]:
         """Put the partitions of these keys in resync (their blocks are snapshot again);

@@ -199,6 +199,35 @@ class Segments:
         self.remove()
 
 
+class Samples:
+    """One worker's round trips, in shared memory: for update k (a push, an RPC call) the
+    ``time.monotonic()`` it was sent, acknowledged and the worker held fresh weights including
+    it. The newest ``CAPACITY`` are kept (slot k mod CAPACITY); made before the worker starts
+    and handed to it as an argument, read by the parent for a window of time."""
+
+    CAPACITY = 1 << 17
+
+    def __init__(self, ctx):
+        self.t = ctx.RawArray("d", 3 * self.CAPACITY)
+
+    def sent(self, k: int) -> None:
+        i = 3 * (k % self.CAPACITY)
+        self.t[i] = time.monotonic()
+        self.t[i + 1] = self.t[i + 2] = 0.0
+
+    def acked(self, k: int) -> None:
+        self.t[3 * (k % self.CAPACITY) + 1] = time.monotonic()
+
+    def fresh(self, k: int) -> None:
+        self.t[3 * (k % self.CAPACITY) + 2] = time.monotonic()
+
+    def window(self, t0: float, t1: float) -> tuple[list, list]:
+        """Push-to-ack and push-to-fresh seconds of the updates made fresh in [t0, t1)."""
+        a = np.frombuffer(self.t, np.float64).reshape(-1, 3).copy()
+        done = a[(a[:, 2] >= t0) & (a[:, 2] < t1) & (a[:, 1] > 0)]
+        return (done[:, 1] - done[:, 0]).tolist(), (done[:, 2] - done[:, 0]).tolist()
+
+
 def map_segment(path: str) -> mmap.mmap:
     """The whole of an existing segment, mapped shared, read-write."""
     fd = os.open(path, os.O_RDWR)
@@ -280,26 +309,32 @@ def _shm_shard(back: int, n: int, rings: list, board: str, slots: int) -> None:
 
 
 def _shm_worker(front: int, index: int, n: int, ring: str, board: str, slots: int,
-                counters, stop) -> None:
+                counters, stop, depth: int, lat: Samples | None) -> None:
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(f"tcp://127.0.0.1:{front}")
     ring, weights = Ring(ring, n, slots), Board(board, n)
     g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
     w = np.empty(n, np.float32)
-    sent = in_flight = 0
+    sent = done = 0
+    depth = min(depth, slots)
     while not stop.value:
-        while in_flight < slots:
+        while sent - done < depth:
             slot = sent % slots
+            if lat is not None:
+                lat.sent(sent)
             np.copyto(ring.slots[slot], g)
             s.send(SLOT.pack(index, slot))
             sent += 1
-            in_flight += 1
         if not s.poll(200):
             continue
-        s.recv()
-        in_flight -= 1
+        s.recv()                    # acks come in order: this is the oldest push's
+        if lat is not None:
+            lat.acked(done)
         weights.read(w)             # the fresh weights, as a training step would take them
+        if lat is not None:
+            lat.fresh(done)
+        done += 1
         counters[index] += 1
     s.close(linger=0)
     ctx.term()
@@ -322,11 +357,13 @@ def stop_processes(procs, grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS):
+def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS, depth: int = IN_FLIGHT,
+                 lat: list | None = None):
     """The ``shm`` pipeline running: a broker, a shard and ``workers`` workers (spawned
-    processes); worker i adds one to ``counters[i]`` per push acked and stops when
-    ``stop.value`` is set. Yields the processes; on leaving, every process is reaped and every
-    segment removed."""
+    processes), each with at most ``depth`` pushes in flight; worker i adds one to
+    ``counters[i]`` per push acked (and records its round trips in ``lat[i]``, a
+    :class:`Samples`, when given) and stops when ``stop.value`` is set. Yields the processes;
+    on leaving, every process is reaped and every segment removed."""
     ctx = mp.get_context("spawn")
     n, slots = nbytes // 4, ring_slots(nbytes)
     front, back = throughput.free_port(), throughput.free_port()
@@ -339,7 +376,8 @@ def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS):
                      ctx.Process(target=_shm_shard, args=(back, n, rings, board, slots),
                                  daemon=True)]
             procs += [ctx.Process(target=_shm_worker, daemon=True,
-                                  args=(front, i, n, rings[i], board, slots, counters, stop))
+                                  args=(front, i, n, rings[i], board, slots, counters, stop,
+                                        depth, lat[i] if lat else None))
                       for i in range(workers)]
             for p in procs:
                 p.start()

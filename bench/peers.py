@@ -1,37 +1,54 @@
-"""gradbus beside PyTorch RPC and a bare shared-memory pipeline, measured in the same run.
+"""gradbus beside PyTorch RPC and a bare shared-memory pipeline, at the same staleness, in one run.
 
-Two workers push fp32 gradients of one tensor to one server as fast as they can and take the
-fresh weights back after every push. Configurations:
+Workers push fp32 gradients of one tensor to one server and take back the fresh weights, with
+the same number of updates in flight per worker in every configuration (``--depth``: the
+staleness a worker accepts; a worker D updates ahead trains on weights D updates old). Each
+worker keeps D updates in flight, waits for the oldest, takes the weights that include it, and
+sends the next:
 
-    rpc                   PyTorch RPC parameter server (bench/peers_rpc.py), TensorPipe defaults
-    rpc_tcp               the same, TensorPipe restricted to TCP (uv transport, basic channel)
-    gradbus_shm           ``gradbus up --shards 1`` (a broker and a shard) and two SDK workers,
-                          every process with GRADBUS_SHM=1; each step pushes (acks=1) and reads
-                          the local weights (``c.pull(["w"])``, which does not wait)
+    rpc                   PyTorch RPC parameter server (bench/peers_rpc.py), TensorPipe defaults,
+                          D ``rpc_async`` calls in flight; the Future resolves with the weights
+                          tensor (as the PyTorch tutorial writes it)
+    rpc_clone             the same, the Future resolving with a copy of the weights taken under
+                          the lock (a new tensor per update: a handicap, shown for reference)
+    rpc_tcp               ``rpc`` with TensorPipe restricted to TCP (uv transport, basic channel)
+    gradbus_shm           ``gradbus up --shards 1`` (a broker and a shard) and SDK workers, every
+                          process with GRADBUS_SHM=1; D pushes (acks=1) in flight, then the
+                          oldest's ACK, then ``pull(["w"], min_version=ack["ver"])``: weights
+                          that include the push
     gradbus_worker_noshm  the same with GRADBUS_SHM=0 in the workers (workers on other hosts)
-    floor_shm             bench/floor.py's ``shm`` pipeline: headers through a Python ZeroMQ
-                          broker, gradients through shared-memory rings, weights back through a
-                          seqlock board
+    floor_shm             bench/floor.py's ``shm`` pipeline with D pushes in flight: headers
+                          through a Python ZeroMQ broker, gradients through shared-memory rings,
+                          weights back through a seqlock board; no protocol
 
-GRADBUS_SHM is only set: whether this gradbus honours it is not checked. Every configuration
-counts its updates in shared counters; after every worker counted one and ``--warmup`` seconds,
-this process reads the counters and the CPU time (utime + stime in /proc/PID/stat) of every
-process under it at both ends of a ``--seconds`` window. One JSON line per configuration and
-size:
+Every configuration counts its updates in shared counters and records each update's
+``time.monotonic()`` when sent, acknowledged and made fresh (the worker holds weights including
+it). After every worker counted one and ``--warmup`` seconds, this process reads the counters
+and the CPU time (utime + stime in /proc/PID/stat) of every process under it at both ends of a
+``--seconds`` window. One JSON line per configuration, size and depth:
 
-    updates_per_s     gradient updates applied per second, both workers (rpc: weights returned;
-                      gradbus: pushes acknowledged; floor: pushes acked)
+    updates_per_s     updates made fresh per second, all workers
+    ack_p50_ms, ack_p99_ms
+                      push to acknowledgement (rpc: the Future done), updates fresh in the window
+    fresh_p50_ms, fresh_p99_ms
+                      push to the worker holding weights that include it
     cpu_s_per_update  CPU seconds of all the configuration's processes in the window, per update
     vs_rpc, vs_rpc_tcp, vs_floor_shm
-                      updates_per_s over that configuration's, same size, same round (the median
-                      of the rounds' ratios with ``--repeat``); null when it did not run
+                      updates_per_s over that configuration's, same size, depth and round (the
+                      median of the rounds' ratios with ``--repeat``); null when it did not run
 
-With ``--repeat N`` the rounds are interleaved (every configuration and size once per round) and
-a line gives medians and each round's ``rates``.
+With ``--repeat N`` the rounds are interleaved (every configuration, size and depth once per
+round) and a line gives medians and each round's ``rates``.
 
-Usage: python bench/peers.py [--sizes 64K,4M,16M] [--seconds 4] [--warmup 1.5]
+``--hops`` runs gradbus alone (one worker, depth 1, ``--sizes``' first size, shared memory on)
+with ``$GRADBUS_HOPS`` set (gradbus/codecs/hops.py): every process stamps each push at every
+hop of its round trip with the host's monotonic clock, and one JSON line per pair of
+consecutive hops gives the median and p90 microseconds between them, over the pushes of the
+window.
+
+Usage: python bench/peers.py [--sizes 64K,4M,16M] [--depth 1,4,32] [--seconds 4] [--warmup 1.5]
                              [--configs rpc,rpc_tcp,gradbus_shm,gradbus_worker_noshm,floor_shm]
-                             [--repeat N]
+                             [--workers 2] [--repeat N] [--hops]
 """
 from __future__ import annotations
 
@@ -41,6 +58,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -50,14 +68,16 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import floor  # noqa: E402  (the shm pipeline, the window, the process reaping)
-import throughput  # noqa: E402  (the sizes and free ports)
-from floor import Board, Ring, Segments, count_window, stop_processes  # noqa: E402, F401
+from gradbus.cluster import _die_with_parent
 
-CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import floor  # noqa: E402  (the shm pipeline, the window, the samples, the process reaping)
+import throughput  # noqa: E402  (the sizes and free ports)
+from floor import Samples, count_window, stop_processes  # noqa: E402
+
+CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm")
+DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm")
 REFERENCES = ("rpc", "rpc_tcp", "floor_shm")
-WORKERS = 2
 READY_TIMEOUT = 120.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -109,33 +129,62 @@ def environment(**values):
 
 # ----------------------------------------------------------------------------- configurations
 @contextlib.contextmanager
-def rpc_config(nbytes: int, counters, stop, tcp_only: bool):
+def rpc_config(run: dict, counters, stop, lat, tcp_only: bool, clone: bool, hosts=None,
+               pids: dict | None = None):
+    """The RPC peer's world running; yields ``alive()``. With ``hosts`` (bench/hosts_net.py's
+    Hosts) the server runs in its server namespace and trainer i in its worker namespace i;
+    ``pids``, where given, gets the server's and the workers' process ids."""
     import peers_rpc  # torch is imported only here
     ctx = mp.get_context("spawn")
-    procs = peers_rpc.processes(ctx, nbytes, throughput.free_port(), tcp_only, counters, stop)
+    places = hosts.rpc_places(run["workers"]) if hosts is not None else None
+    port = hosts.next_port() if hosts is not None else throughput.free_port()
+    procs = peers_rpc.processes(ctx, run["workers"], run["bytes"], port, tcp_only, clone,
+                                run["depth"], counters, stop, lat, places)
     try:
         for p in procs:
             p.start()
+        if pids is not None:
+            pids.update(server=procs[0].pid, workers=[p.pid for p in procs[1:]])
         yield lambda: all(p.exitcode is None for p in procs)
     finally:
-        stop.value = 1
-        for p in procs:
-            if p.pid is not None:
-                p.join(30)
-        stop_processes(procs)
+        end_workers(procs, stop, 30)
 
 
-def _gradbus_worker(url: str, index: int, nbytes: int, counters, stop) -> None:
+def end_workers(procs: list, stop, grace: float) -> None:
+    """Sets the stop flag, gives each started process ``grace`` seconds to end by itself,
+    then ends and reaps them all."""
+    stop.value = 1
+    for p in procs:
+        if p.pid is not None:
+            p.join(grace)
+    stop_processes(procs)
+
+
+def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, stop, lat,
+                    codec: str = "raw") -> None:
     import gradbus
+    from gradbus.codecs import hops
     n = nbytes // 4
     with gradbus.connect(url, timeout=60) as c:
         c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-6))
-        c.pull(["w"])                       # follow the tensor: fresh weights by subscription
+        c.pull(["w"])                       # follow the tensor
         g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
+        waiting: collections.deque = collections.deque()
+        k = 0
         while not stop.value:
-            c.push({"w": g}, acks=1)
-            c.pull(["w"])                   # the freshest weights, as a training step reads them
-            counters[index] = c.stats["pushes_acked"]
+            lat.sent(k)
+            fut = c.push({"w": g}, acks=1, codec=codec)
+            fut.add_done_callback(lambda _f, k=k: lat.acked(k))
+            waiting.append((k, fut))
+            k += 1
+            if len(waiting) >= depth:
+                j, fut = waiting.popleft()
+                ack = fut.result()
+                c.pull(["w"], min_version=ack["ver"])     # weights that include the push
+                lat.fresh(j)
+                if hops.ON:
+                    hops.stamp("pull_returned", ack["msg"])
+                counters[index] += 1
         c.flush(60)
 
 
@@ -168,60 +217,101 @@ def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 
 @contextlib.contextmanager
-def gradbus_config(nbytes: int, counters, stop, worker_shm: str):
+def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
+                   pids: dict | None = None):
+    """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
+    workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. With ``hosts``
+    (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
+    and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`."""
     ctx = mp.get_context("spawn")
     up, procs = None, []
+    env = {**os.environ, "GRADBUS_SHM": "1"}
+    if run.get("weights_codec"):
+        env["GRADBUS_SHARD_WEIGHTS_CODEC"] = run["weights_codec"]
+    cmd = [sys.executable, "-m", "gradbus", "up", "--shards", str(run.get("shards", 1))]
+    if hosts is None:
+        cmd += ["--port", str(throughput.free_port())]
+    else:
+        cmd = [*hosts.exec_prefix(hosts.server), *cmd, "--host", hosts.server_addr,
+               "--port", str(hosts.next_port())]
     with tempfile.NamedTemporaryFile("w+", prefix="gradbus-peers-up-", suffix=".log") as log:
         try:
-            cmd = [sys.executable, "-m", "gradbus", "up", "--shards", "1",
-                   "--port", str(throughput.free_port())]
-            up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+            up = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                   stdin=subprocess.DEVNULL, start_new_session=True,
-                                  env={**os.environ, "GRADBUS_SHM": "1"})
+                                  preexec_fn=_die_with_parent)
             url = _wait_ready(up, log.name, READY_TIMEOUT)
             with environment(GRADBUS_SHM=worker_shm):
-                procs = [ctx.Process(target=_gradbus_worker, daemon=True,
-                                     args=(url, i, nbytes, counters, stop))
-                         for i in range(WORKERS)]
+                for i in range(run["workers"]):
+                    args = (url, i, run["bytes"], run["depth"], counters, stop, lat[i],
+                            run.get("codec", "raw"))
+                    target = _gradbus_worker
+                    if hosts is not None:
+                        target, args = hosts.in_worker(i, target, args)
+                    procs.append(ctx.Process(target=target, args=args, daemon=True))
                 for p in procs:
                     p.start()
+            if pids is not None:
+                pids.update(server=up.pid, workers=[p.pid for p in procs])
             yield lambda: up.poll() is None and all(p.exitcode is None for p in procs)
+        except Exception:
+            log.seek(0)
+            print(f"peers: gradbus up said:\n{log.read()[-2000:]}", file=sys.stderr)
+            raise
         finally:
-            stop.value = 1
-            for p in procs:
-                if p.pid is not None:
-                    p.join(60)
-            stop_processes(procs)
+            end_workers(procs, stop, 60)
             if up is not None:
                 _end_group(up)
 
 
-def start(config: str, nbytes: int, counters, stop):
-    """The configuration's processes as a context manager yielding ``alive()``."""
-    if config in ("rpc", "rpc_tcp"):
-        return rpc_config(nbytes, counters, stop, tcp_only=config == "rpc_tcp")
-    if config in ("gradbus_shm", "gradbus_worker_noshm"):
-        return gradbus_config(nbytes, counters, stop, "1" if config == "gradbus_shm" else "0")
-    if config == "floor_shm":
-        return _floor(nbytes, counters, stop)
-    raise ValueError(f"unknown configuration {config!r}")
-
-
 @contextlib.contextmanager
-def _floor(nbytes: int, counters, stop):
-    with floor.shm_pipeline(nbytes, counters, stop, WORKERS) as procs:
+def _floor(run: dict, counters, stop, lat):
+    with floor.shm_pipeline(run["bytes"], counters, stop, run["workers"], run["depth"],
+                            lat) as procs:
         yield lambda: all(p.exitcode is None for p in procs)
 
 
-def measure(config: str, nbytes: int, warmup: float, seconds: float) -> dict:
-    """One configuration at one size: its updates per second and CPU seconds per update."""
+def start(config: str, run: dict, counters, stop, lat):
+    """The configuration's processes as a context manager yielding ``alive()``."""
+    if config in ("rpc", "rpc_tcp", "rpc_clone"):
+        return rpc_config(run, counters, stop, lat, tcp_only=config == "rpc_tcp",
+                          clone=config == "rpc_clone")
+    if config in ("gradbus_shm", "gradbus_worker_noshm"):
+        return gradbus_config(run, counters, stop, lat,
+                              "1" if config == "gradbus_shm" else "0")
+    if config == "floor_shm":
+        return _floor(run, counters, stop, lat)
+    raise ValueError(f"unknown configuration {config!r}")
+
+
+def _ms(values: list, q: float):
+    return round(float(np.percentile(values, q)) * 1e3, 3) if values else None
+
+
+def measure(config: str, run: dict) -> dict:
+    """One configuration at one size and depth: its updates per second, round trips and CPU
+    seconds per update."""
     ctx = mp.get_context("spawn")
-    counters, stop = ctx.RawArray("q", WORKERS), ctx.RawValue("b", 0)
-    with start(config, nbytes, counters, stop) as alive:
-        win = count_window(counters, alive, warmup, seconds, sample=cpu_seconds,
+    counters, stop = ctx.RawArray("q", run["workers"]), ctx.RawValue("b", 0)
+    lat = [Samples(ctx) for _ in range(run["workers"])]
+    marks = {}
+
+    def sample():
+        marks.setdefault("t0", time.monotonic())
+        marks["t1"] = time.monotonic()
+        return cpu_seconds()
+
+    with start(config, run, counters, stop, lat) as alive:
+        win = count_window(counters, alive, run["warmup"], run["seconds"], sample=sample,
                            ready_timeout=READY_TIMEOUT)
+    acks, fresh = [], []
+    for s in lat:
+        a, f = s.window(marks["t0"], marks["t1"])
+        acks += a
+        fresh += f
     updates = win["events"]
     return {"updates_per_s": updates / win["seconds"],
+            "ack_p50_ms": _ms(acks, 50), "ack_p99_ms": _ms(acks, 99),
+            "fresh_p50_ms": _ms(fresh, 50), "fresh_p99_ms": _ms(fresh, 99),
             "cpu_s_per_update": cpu_between(win["first"], win["last"]) / updates
             if updates else None}
 
@@ -231,18 +321,24 @@ def _sig(x, digits: int = 4):
     return None if x is None else float(f"{x:.{digits}g}")
 
 
-def lines(size: str, configs: list, rounds: list) -> list[dict]:
-    """One line per configuration at ``size`` from the rounds' results ({config: result})."""
+def _median(runs: list, field: str):
+    vals = [r[field] for r in runs if r.get(field) is not None]
+    return statistics.median(vals) if vals else None
+
+
+def lines(key: tuple, configs: list, rounds: list, workers: int) -> list[dict]:
+    """One line per configuration at ``key`` = (size, depth) from the rounds' results."""
+    size, depth = key
     out = []
     for config in configs:
         runs = [r.get(config) for r in rounds]
         ok = [r for r in runs if r and r.get("updates_per_s")]
         line = {"bench": "peers", "config": config, "size": size, "bytes": throughput.SIZES[size],
-                "workers": WORKERS,
-                "updates_per_s": round(statistics.median(r["updates_per_s"] for r in ok), 1)
-                if ok else None,
-                "cpu_s_per_update": _sig(statistics.median(r["cpu_s_per_update"] for r in ok))
-                if ok else None}
+                "depth": depth, "workers": workers,
+                "updates_per_s": round(_median(ok, "updates_per_s"), 1) if ok else None}
+        for f in ("ack_p50_ms", "ack_p99_ms", "fresh_p50_ms", "fresh_p99_ms"):
+            line[f] = _sig(_median(ok, f))
+        line["cpu_s_per_update"] = _sig(_median(ok, "cpu_s_per_update"))
         for ref in REFERENCES:
             ratios = [r[config]["updates_per_s"] / r[ref]["updates_per_s"] for r in rounds
                       if r.get(config, {}).get("updates_per_s")
@@ -267,47 +363,93 @@ def _terminate(signum, frame):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="64K,4M,16M")
+    ap.add_argument("--depth", default="1,4,32", help="updates in flight per worker, a list")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--warmup", type=float, default=1.5)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
+    ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds; lines give medians")
+    ap.add_argument("--hops", action="store_true",
+                    help="gradbus alone, one worker, depth 1: the median time between hops")
     a = ap.parse_args(argv)
     configs, sizes = a.configs.split(","), a.sizes.split(",")
-    if a.repeat < 1 or not set(configs) <= set(CONFIGS) or not set(sizes) <= set(throughput.SIZES):
-        ap.error(f"--repeat must be at least 1, --configs a list of {', '.join(CONFIGS)} and "
-                 f"--sizes a list of {', '.join(throughput.SIZES)}")
+    try:
+        depths = [int(d) for d in a.depth.split(",")]
+    except ValueError:
+        depths = []
+    if (a.repeat < 1 or a.workers < 1 or not depths or min(depths) < 1
+            or not set(configs) <= set(CONFIGS) or not set(sizes) <= set(throughput.SIZES)):
+        ap.error(f"--repeat and --workers must be at least 1, --depth a list of positive ints, "
+                 f"--configs a list of {', '.join(CONFIGS)} and --sizes a list of "
+                 f"{', '.join(throughput.SIZES)}")
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        return _run(a, configs, sizes)
+        return _hops(a, sizes[0]) if a.hops else _run(a, configs, sizes, depths)
     finally:        # multiprocessing's resource tracker, the one child no configuration reaps
         with contextlib.suppress(Exception):
             from multiprocessing import resource_tracker
             resource_tracker._resource_tracker._stop()
 
 
-def _run(a, configs: list, sizes: list) -> int:
-    results = {size: [] for size in sizes}
+def _run(a, configs: list, sizes: list, depths: list) -> int:
+    keys = [(s, d) for s in sizes for d in depths]
+    results = {key: [] for key in keys}
     for _ in range(a.repeat):
-        for size in sizes:
+        for key in keys:
+            run = {"bytes": throughput.SIZES[key[0]], "depth": key[1], "workers": a.workers,
+                   "warmup": a.warmup, "seconds": a.seconds}
             round_ = {}
             for config in configs:
                 try:
-                    round_[config] = measure(config, throughput.SIZES[size], a.warmup, a.seconds)
+                    round_[config] = measure(config, run)
                 except Exception as e:       # noqa: BLE001  (the other configurations still run)
                     round_[config] = {"error": f"{type(e).__name__}: {e}"}
-                    print(f"peers: {config} at {size} failed: {e}", file=sys.stderr, flush=True)
-            results[size].append(round_)
+                    print(f"peers: {config} at {key[0]} depth {key[1]} failed: {e}",
+                          file=sys.stderr, flush=True)
+            results[key].append(round_)
     ran = [c for c in configs
            if any("error" not in r[c] for rs in results.values() for r in rs)]
     print(f"peers: configs run: {', '.join(ran) or 'none'}"
           + (f"; failed: {', '.join(c for c in configs if c not in ran)}"
-             if len(ran) < len(configs) else "")
-          + "; GRADBUS_SHM set for the gradbus configs (not checked whether it is honoured)",
-          file=sys.stderr, flush=True)
-    for size in sizes:
-        for line in lines(size, configs, results[size]):
+             if len(ran) < len(configs) else ""), file=sys.stderr, flush=True)
+    for key in keys:
+        for line in lines(key, configs, results[key], a.workers):
             print(json.dumps(line), flush=True)
     return 0 if ran else 1
+
+
+def _hops(a, size: str) -> int:
+    """gradbus alone, one worker at depth 1, every process stamping each push's hops."""
+    from gradbus.codecs import hops
+    directory = tempfile.mkdtemp(prefix="gradbus-hops-")
+    run = {"bytes": throughput.SIZES[size], "depth": 1, "workers": 1, "warmup": a.warmup,
+           "seconds": a.seconds}
+    try:
+        with environment(GRADBUS_HOPS=directory):
+            t0 = time.monotonic_ns()
+            res = measure("gradbus_shm", run)
+        stamps = hops.read(directory)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    # the pushes of the window: the last ``seconds`` before the run ended, past the warmup
+    done = [s for s in stamps.values() if "pull_returned" in s and s["push"] > t0]
+    done.sort(key=lambda s: s["push"])
+    done = done[len(done) // 4:]          # past the start-up
+    gaps: dict = collections.defaultdict(list)
+    for s in done:
+        seen = [h for h in hops.HOPS if h in s]
+        for x, y in zip(seen, seen[1:]):
+            gaps[(x, y)].append((s[y] - s[x]) / 1e3)
+        gaps[("push", "pull_returned")].append((s["pull_returned"] - s["push"]) / 1e3)
+    for (x, y), us in gaps.items():
+        print(json.dumps({"bench": "peers_hops", "size": size, "from": x, "to": y,
+                          "median_us": round(statistics.median(us), 1),
+                          "p90_us": round(float(np.percentile(us, 90)), 1), "pushes": len(us),
+                          "cpus": os.cpu_count()}), flush=True)
+    print(json.dumps({"bench": "peers_hops", "size": size, "updates_per_s":
+                      round(res["updates_per_s"], 1), "fresh_p50_ms": res["fresh_p50_ms"],
+                      "cpu_s_per_update": _sig(res["cpu_s_per_update"])}), flush=True)
+    return 0 if gaps else 1
 
 
 if __name__ == "__main__":

@@ -1,20 +1,25 @@
-"""The PyTorch RPC peer of bench/peers.py: a parameter server and two trainers, three processes.
+"""The PyTorch RPC peer of bench/peers.py: a parameter server and its trainers, one process each.
 
 Written after the PyTorch tutorial's batch-update parameter server ("Implementing Batch RPC
 Processing Using Asynchronous Executions"): ``torch.distributed.rpc`` on the TensorPipe backend,
 a server object behind an ``RRef``, its update method ``@rpc.functions.async_execution`` under
-one lock, and a trainer loop of ``rpc_sync(update_and_fetch_weights)`` whose Future resolves
-with the fresh weights. The batch is one gradient, so every push is applied at once (an SGD step
-on the weights, in place), as gradbus applies pushes asynchronously. The weights returned are a
-copy taken under the lock: TensorPipe may still be reading a returned tensor when the next
-update writes the weights. Each process runs torch with one intra-op thread, as numpy's step
-in the other configurations runs on one.
+one lock, and a Future that resolves with the server's weights. As in the tutorial, the Future
+resolves with the weights tensor itself, not a copy (``clone=True``, the ``rpc_clone``
+configuration, returns a copy taken under the lock instead: a new tensor per update). The batch
+is one gradient, so every push is applied at once (an SGD step on the weights, in place), as
+gradbus applies pushes asynchronously.
+
+A trainer keeps ``depth`` calls in flight (``rpc_async``), waits for the oldest, and counts an
+update when it holds the weights that call returned: the same staleness as a gradbus worker
+with ``depth`` pushes in flight. Each process runs torch with one intra-op thread, as numpy's
+step in the other configurations runs on one.
 
 Everything here imports torch; bench/peers.py imports this module only to run the ``rpc``
 configurations.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import signal
@@ -25,16 +30,16 @@ import torch
 import torch.distributed.rpc as rpc
 
 LR = 1e-6
-TRAINERS = 2
-_counters = _stop = None    # this process's shared counters and stop flag (set in _process)
+_counters = _stop = _lat = None    # this process's shared counters, stop flag and samples
 
 
 class ParameterServer:
     """The weights (one float32 tensor) and the lock every update takes."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, clone: bool):
         self.weights = torch.zeros(n)
         self.lock = threading.Lock()
+        self.clone = clone
 
     @staticmethod
     @rpc.functions.async_execution
@@ -43,19 +48,35 @@ class ParameterServer:
         fut = torch.futures.Future()
         with self.lock:
             self.weights.add_(grad, alpha=-LR)          # the SGD step, in place
-            fut.set_result(self.weights.clone())        # the caller gets the fresh weights
+            # the caller gets the fresh weights (the tutorial returns the parameter itself)
+            fut.set_result(self.weights.clone() if self.clone else self.weights)
         return fut
 
 
-def run_trainer(ps_rref, index: int, n: int) -> None:
-    """A trainer's loop: push a gradient, get the new weights back, until the stop flag."""
+def run_trainer(ps_rref, index: int, n: int, depth: int) -> None:
+    """A trainer's loop: ``depth`` updates in flight; each time the oldest returns, its weights
+    are the trainer's, until the stop flag."""
     torch.manual_seed(index)
     grad = torch.randn(n)
+    owner = ps_rref.owner()
+    lat = _lat[index]
+    waiting: collections.deque = collections.deque()
+    k = 0
     while not _stop.value:
-        weights = rpc.rpc_sync(ps_rref.owner(), ParameterServer.update_and_fetch_weights,
-                               args=(ps_rref, grad))
-        del weights
-        _counters[index] += 1
+        lat.sent(k)
+        fut = rpc.rpc_async(owner, ParameterServer.update_and_fetch_weights,
+                            args=(ps_rref, grad))
+        fut.add_done_callback(lambda _f, k=k: lat.acked(k))
+        waiting.append((k, fut))
+        k += 1
+        if len(waiting) >= depth:
+            j, fut = waiting.popleft()
+            weights = fut.wait()                       # the fresh weights, this trainer's now
+            lat.fresh(j)
+            del weights
+            _counters[index] += 1
+    for _, fut in waiting:
+        fut.wait()
 
 
 def _die_with_parent() -> None:
@@ -65,12 +86,22 @@ def _die_with_parent() -> None:
         pass
 
 
-def _process(rank: int, n: int, port: int, tcp_only: bool, counters, stop) -> None:
-    """One process of the world: rank 0 the server, which starts the trainers' loops."""
-    global _counters, _stop
+def _process(rank: int, trainers: int, n: int, port: int, tcp_only: bool, clone: bool,
+             depth: int, counters, stop, lat, place: tuple | None = None) -> None:
+    """One process of the world: rank 0 the server, which starts the trainers' loops.
+    ``place``, where given, is (network namespace, the server's address, this process's
+    interface): the process joins the namespace before it starts a thread (bench/hosts.py)."""
+    global _counters, _stop, _lat
     _die_with_parent()
-    _counters, _stop = counters, stop
+    _counters, _stop, _lat = counters, stop, lat
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TP_SOCKET_IFNAME="lo")
+    if place is not None:
+        import hosts_net
+        ns, addr, ifname = place
+        hosts_net.enter(ns)
+        # init_rpc's Gloo group takes its interface from GLOO_SOCKET_IFNAME, TensorPipe's
+        # listeners from TP_SOCKET_IFNAME
+        os.environ.update(MASTER_ADDR=addr, TP_SOCKET_IFNAME=ifname, GLOO_SOCKET_IFNAME=ifname)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="You are using a Backend")   # init_rpc's own
     if tcp_only:
@@ -78,17 +109,20 @@ def _process(rank: int, n: int, port: int, tcp_only: bool, counters, stop) -> No
     else:
         opts = rpc.TensorPipeRpcBackendOptions()
     name = "ps" if rank == 0 else f"trainer{rank - 1}"
-    rpc.init_rpc(name, rank=rank, world_size=TRAINERS + 1, rpc_backend_options=opts)
+    rpc.init_rpc(name, rank=rank, world_size=trainers + 1, rpc_backend_options=opts)
     if rank == 0:
-        ps_rref = rpc.RRef(ParameterServer(n))
-        futs = [rpc.rpc_async(f"trainer{i}", run_trainer, args=(ps_rref, i, n))
-                for i in range(TRAINERS)]
+        ps_rref = rpc.RRef(ParameterServer(n, clone))
+        futs = [rpc.rpc_async(f"trainer{i}", run_trainer, args=(ps_rref, i, n, depth))
+                for i in range(trainers)]
         torch.futures.wait_all(futs)
     rpc.shutdown()
 
 
-def processes(ctx, nbytes: int, port: int, tcp_only: bool, counters, stop) -> list:
-    """The world's three processes (not started): the server, then the trainers."""
+def processes(ctx, trainers: int, nbytes: int, port: int, tcp_only: bool, clone: bool,
+                depth: int, counters, stop, lat, places: list | None = None) -> list:
+    """The world's processes (not started): the server, then the trainers; ``places[rank]``
+    says where each runs (see :func:`_process`), all on this host's loopback without it."""
     return [ctx.Process(target=_process, daemon=True,
-                        args=(rank, nbytes // 4, port, tcp_only, counters, stop))
-            for rank in range(TRAINERS + 1)]
+                        args=(rank, trainers, nbytes // 4, port, tcp_only, clone, depth,
+                              counters, stop, lat, places[rank] if places else None))
+            for rank in range(trainers + 1)]

@@ -98,6 +98,7 @@ class ReadLog:
 class Acked:
     client: bytes
     msg: int
+    ver: int | None = None      # the least version of the push's tensors once it was applied
 
 
 Action = ToClient | ReplyClient | ToShard | Publish | AppendLog | SyncLog | ReadLog | FreeRelays

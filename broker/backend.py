@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from gradbus.codecs import wire
+from gradbus.codecs import hops, wire
 from gradbus.codecs.errors import Code
 
 from .actions import INLINE_REPLY, Publish, ToShard
@@ -220,6 +220,8 @@ class ShardEvents:
             if b.errors is None:
                 b.errors = {e[0]: (e[1], e[2]) for e in part.errors}
             b.waiting.discard(s.id)
+            if hops.ON:
+                hops.stamp("broker_applied", [r[1] for r in b.refs])
             actions += self.settlement.progress(p, seq, b)
         return actions
 

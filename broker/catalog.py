@@ -315,6 +315,12 @@ class Catalog:
             self.tensors[layout.name] = Tensor(layout, e["opt"])
         return layout
 
+    def least_version(self, names) -> int | None:
+        """The least version of tensors ``names`` as the primaries last reported them (None
+        when none of them is known)."""
+        vs = [t.version for n in names if (t := self.tensors.get(n)) is not None]
+        return min(vs) if vs else None
+
     def learn_versions(self, vers: dict) -> None:
         """Block versions a primary reports after a batch."""
         for key, ver in vers.items():

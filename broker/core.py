@@ -34,7 +34,7 @@ import secrets
 import time
 from dataclasses import replace
 
-from gradbus.codecs import messages, wire
+from gradbus.codecs import hops, messages, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS, row_key, split_key, table_partitions
 
@@ -152,40 +152,53 @@ class BrokerCore:
     def _coalesce(self, actions: list) -> list:
         """The one step after every event: the pushes acknowledged in it become one ACK
         message per client, ``{"msg": first, "msgs": [all]}`` (a send per client, not per
-        push)."""
-        if self.sequencer.freed:
-            actions = self._free(actions)
+        push), which also names the pushes whose shared-memory slots were freed in the step
+        (``free``; a client with none acknowledged gets a FREE). ACKs go first: a producer
+        waits for them, subscribers for the rest."""
+        freed = self._freed() if self.sequencer.freed else None
         if self.sequencer.relays_done:
             actions = [*actions, FreeRelays(tuple(self.sequencer.relays_done))]
             self.sequencer.relays_done.clear()
-        if not actions:
+        if not actions and not freed:
             return actions
-        acks: dict[bytes, list[int]] | None = None
+        acks: dict[bytes, list[Acked]] | None = None
         out = []
         for a in actions:
             if type(a) is Acked:
                 if acks is None:
                     acks = {}
-                acks.setdefault(a.client, []).append(a.msg)
+                acks.setdefault(a.client, []).append(a)
             else:
                 out.append(a)
-        if acks is None:
+        if acks is None and not freed:
             return actions
-        for client, msgs in acks.items():
+        front = []
+        for client, acked in (acks or {}).items():
+            msgs = [a.msg for a in acked]
+            if hops.ON:
+                hops.stamp("ack_out", msgs)
             fields = {"msg": msgs[0]}
+            if acked[0].ver is not None:
+                fields["ver"] = acked[0].ver
             if len(msgs) > 1:
                 fields["msgs"] = msgs
-            out.append(AckClient(client, [wire.pack(wire.ACK, **fields)], tuple(msgs)))
-        return out
+                fields["vers"] = [a.ver for a in acked]
+            free = freed.pop(client, None) if freed else None
+            if free:
+                fields["free"] = free
+            front.append(AckClient(client, [wire.pack(wire.ACK, **fields)], tuple(msgs)))
+        if freed:
+            out += [ToClient(c, [wire.pack(wire.FREE, msgs=m)]) for c, m in freed.items()]
+        return front + out
 
-    def _free(self, actions: list) -> list:
-        """The pushes whose shared-memory slots nothing needs any more: one FREE per client."""
+    def _freed(self) -> dict[bytes, list[int]]:
+        """The pushes whose shared-memory slots nothing needs any more, by client."""
         by_client: dict[bytes, list[int]] = {}
         for client, msg in self.sequencer.freed:
             by_client.setdefault(client, []).append(msg)
         self.sequencer.freed.clear()
         self.meters.counters["shm_freed"] += sum(map(len, by_client.values()))
-        return actions + [ToClient(c, [wire.pack(wire.FREE, msgs=m)]) for c, m in by_client.items()]
+        return by_client
 
     def _unheld(self, identity: bytes, msg, t) -> None:
         """A push (``msg``, descriptors ``t`` as sent) with shared-memory refs that holds
@@ -284,6 +297,8 @@ class BrokerCore:
 
     def _push(self, client, h: messages.Push, frames: list) -> list:
         msg = h.msg
+        if hops.ON:
+            hops.stamp("broker_in", msg)
         settle = self.settlement
         replay = settle.replay(client, msg)
         if replay is not None:
@@ -311,9 +326,10 @@ class BrokerCore:
         msg = h.msg
         ref = (client.identity, msg)
         tables = tuple({n for (_, d, _, n) in routed if d.ids is not None})
+        names = tuple({n for (_, d, _, n) in routed if d.ids is None})
         self.settlement.pending[ref] = Pending(client.identity, msg, "push", len(routed),
                                                acks=ALL if h.acks == ALL else 1, t0=self.now,
-                                               tables=tables, step=step)
+                                               tables=tables, step=step, names=names)
         if step:
             for name in tables:
                 self.catalog.tables[name].stepping += 1
@@ -471,6 +487,7 @@ class BrokerCore:
             log.warning("shard %s reports %s: %s", s.id, m.code, m.message)
             return []
         if kind == wire.BYE:
+            s.left = True      # gone on purpose: not silent
             return self._coalesce(ev.shard_dead(s, now, "said bye"))
         return []
 

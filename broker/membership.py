@@ -17,6 +17,7 @@ class ShardInfo:
     identity: bytes
     last_seen: float
     alive: bool = True
+    left: bool = False                    # dead because it said bye (drained, stopped)
     inflight: int = 0                     # batch messages sent, not yet APPLIED
     partitions: set = field(default_factory=set)    # the partition table's to write
     bytes: int = 0                        # bytes of parameters placed on it (the table's)
@@ -86,7 +87,7 @@ class Membership:
         speaks for it."""
         if identity != s.identity and self.by_identity.get(s.identity) == s.id:
             del self.by_identity[s.identity]
-        s.identity, s.alive, s.last_seen, s.inflight = identity, True, now, 0
+        s.identity, s.alive, s.last_seen, s.inflight, s.left = identity, True, now, 0, False
 
     def silent_shards(self, now: float) -> list[ShardInfo]:
         deadline = self.settings.shard_deadline

@@ -72,6 +72,11 @@ class PartitionTable:
         return sum(1 for p, o in enumerate(self.owners)
                    if o and 1 + len(self.standbys[p]) < self.replicas)
 
+    def without_standby(self) -> int:
+        """Partitions served by a live primary alone: no in-sync standby to fail over to."""
+        return sum(1 for p, o in enumerate(self.owners)
+                   if o and not self.standbys[p] and p not in self.lost and self.live(o))
+
     def message(self) -> list:
         """The TABLE message published on events."""
         run = {} if self.run is None else {"run": self.run}

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from gradbus.codecs import wire
+from gradbus.codecs import hops, wire
 
 from .actions import INLINE_COPY, INLINE_VIEW, RELAY, ToShard
 from .ring_refs import RingRefs
@@ -217,6 +217,8 @@ class Sequencer:
                 self.inflight[(p, self.seq[p])] = batch
                 batches.append(batch)
             hdr = wire.pack(wire.BATCH, t_list, parts=header_parts)
+            if hops.ON:
+                hops.stamp("batch_out", [r[1] for b in batches for r in b.refs])
             if self.log_policy is not None:
                 self.log_policy.append(actions, header_parts, t_list, frames, wall(), now)
             self.meters.counters["batches"] += 1

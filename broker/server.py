@@ -46,6 +46,7 @@ from .actions import (
 from .core import BrokerCore
 from .faults import FaultInjector
 from .flow import ByteCap
+from .links import CLIENT, SHARD, Links
 from .shm_io import ShmIO
 
 log = logging.getLogger("gradbus.broker")
@@ -89,10 +90,16 @@ class BrokerServer:
         self.host = host
         self.curve = curve
         self.auth = self.handshakes = self.frontend = self.backend = self.events = None
-        self.shm_io = None
+        self.shm_io = self.links = None
         try:
             self._open(curve, port, backend_port, events_port)
             self.shm_io = ShmIO(self.core, f"{host}:{self.port}", shmem.wanted(shm))
+            if self.core.shm is not None and curve is None:
+                # peers on this host talk over local links (codecs/link.py); with CURVE on they
+                # keep its authentication and use the ROUTERs
+                self.links = Links(self.shm_io.cluster, self.core.meters.counters,
+                                   self.core.errors)
+                self.core.shm["link"] = self.links.name
         except BaseException:
             self.close()
             raise
@@ -154,10 +161,9 @@ class BrokerServer:
                 match act:
                     case ReplyClient(identity, frames, torn):
                         out = self.shm_io.inline_reply(frames)
-                        self.frontend.send_multipart([identity, *(torn if out is None else out)],
-                                                     copy=False)
+                        self._to_client(identity, torn if out is None else out)
                     case ToClient(identity, frames):
-                        self.frontend.send_multipart([identity, *frames], copy=False)
+                        self._to_client(identity, frames)
                     case ToShard(identity, frames, inline, relay, torn):
                         if inline:
                             frames = self.shm_io.to_shard(frames, inline, relay)
@@ -165,7 +171,9 @@ class BrokerServer:
                             if torn is not None:
                                 self._do([torn])
                             continue
-                        self.backend.send_multipart([identity, *frames], copy=False)
+                        if self.links is None or self.links.send(SHARD, identity,
+                                                                 frames) is None:
+                            self.backend.send_multipart([identity, *frames], copy=False)
                     case Publish(frames, refs):
                         self.shm_io.publish(self.events, frames, refs)
                     case AppendLog(parts, t_list, frames, at):
@@ -188,6 +196,11 @@ class BrokerServer:
                 self.core.errors["shm_" + e.code.value] += 1
                 log.warning("shared memory: %s", e)
 
+    def _to_client(self, identity: bytes, frames: list) -> None:
+        """To a client: over its local link while it has one, else through the frontend."""
+        if self.links is None or self.links.send(CLIENT, identity, frames) is None:
+            self.frontend.send_multipart([identity, *frames], copy=False)
+
     def _with_log(self, identity: bytes, frames: list, key: str | None) -> list:
         """A REGISTER the core wants this broker's update log for: read it, hand it over."""
         self.log.sync()
@@ -205,19 +218,41 @@ class BrokerServer:
             n += 1
             if len(msg) < 2:
                 continue  # ROUTER always gives identity + at least one frame; ignore otherwise
-            try:
-                if self.auth is not None:    # the authenticated sender's key and roles
-                    key = _user_id(msg[1])
-                    kw = {"key": key} if sock is self.backend else {}
-                    actions = handler(msg[0].bytes, msg[1:], self.clock(),
-                                      roles=self.auth.allow.roles_of(key), **kw)
-                else:
-                    actions = handler(msg[0].bytes, msg[1:], self.clock())
-            except Exception:  # a bug must not take the broker down: count it, keep serving
-                log.exception("handler failed on a message from %r", msg[0].bytes[:32])
-                self.core.errors["INTERNAL"] += 1
-                continue
-            self._do(actions)
+            if self.auth is not None:    # the authenticated sender's key and roles
+                key = _user_id(msg[1])
+                self._handle(handler, msg[0].bytes, msg[1:], self.auth.allow.roles_of(key),
+                             key if sock is self.backend else None)
+            else:
+                self._handle(handler, msg[0].bytes, msg[1:])
+        return n
+
+    def _handle(self, handler, identity: bytes, frames: list, roles=None,
+                key: str | None = None) -> None:
+        try:
+            if roles is not None:
+                kw = {"key": key} if key is not None else {}
+                actions = handler(identity, frames, self.clock(), roles=roles, **kw)
+            else:
+                actions = handler(identity, frames, self.clock())
+        except Exception:  # a bug must not take the broker down: count it, keep serving
+            log.exception("handler failed on a message from %r", identity[:32])
+            self.core.errors["INTERNAL"] += 1
+            return
+        self._do(actions)
+
+    def _drain_links(self, fds, role: bytes) -> int:
+        """What the links ``fds`` (of peers with ``role``) sent, to the frontend's or the
+        backend's handler."""
+        links, n = self.links, 0
+        for fd in fds:
+            ent = links.by_fd.get(fd)
+            if ent is None or (ent[1] is not None and ent[1] != role):
+                continue       # another role's (a fresh link says which it is first)
+            for r, identity, frames in links.read(fd, DRAIN_MAX):
+                n += 1
+                if frames:
+                    self._handle(self.on_frontend if r == CLIENT else self.handlers.on_backend,
+                                 identity, frames)
         return n
 
     def run(self) -> None:
@@ -225,6 +260,10 @@ class BrokerServer:
         poller.register(self.backend, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)   # subscription notices: what topics to send
         poller.register(self.frontend, zmq.POLLIN)  # always: the byte cap holds producers back
+        links = self.links
+        if links is not None:
+            links.attach(poller)
+            listener = links.fileno()
         tick_every = self.core.settings.heartbeat_interval / 2
         next_tick = self.clock()
         first_pending = None
@@ -234,11 +273,26 @@ class BrokerServer:
                 timeout = max(0.0, next_tick - now)
                 if first_pending is not None:
                     timeout = min(timeout, max(0.0, first_pending + self.batch_window - now))
+                if links is not None and links.again:
+                    timeout = 0.0
                 events = dict(poller.poll(min(timeout, 0.05) * 1000))
                 if self.events in events:
                     self._drain_subscriptions()
+                if links is not None:
+                    ready = set(links.again)
+                    for fd, ev in events.items():
+                        if type(fd) is int and fd != listener:
+                            if ev & zmq.POLLOUT:
+                                links.writable(fd)
+                            if ev & ~zmq.POLLOUT:
+                                ready.add(fd)
+                    self._drain_links(ready, SHARD)
                 if self.backend in events:
                     self._drain(self.backend, self.handlers.on_backend, DRAIN_MAX)
+                if links is not None:
+                    self._drain_links(ready, CLIENT)
+                    if listener in events:
+                        links.accept()
                 if self.frontend in events:
                     self._drain(self.frontend, self.on_frontend, DRAIN_MAX)
                 now = self.clock()
@@ -254,7 +308,11 @@ class BrokerServer:
                     first_pending = None
                 if now >= next_tick:
                     # read what shards sent meanwhile before judging their liveness
-                    if self._drain(self.backend, self.handlers.on_backend, DRAIN_MAX):
+                    got = self._drain(self.backend, self.handlers.on_backend, DRAIN_MAX)
+                    if links is not None:
+                        got += self._drain_links([fd for fd, ent in links.by_fd.items()
+                                                  if ent[1] == SHARD], SHARD)
+                    if got:
                         now = self.clock()
                     if self.handshakes is not None:   # refused CURVE handshakes, in errors
                         self.handshakes.drain(self.core.errors)
@@ -304,6 +362,8 @@ class BrokerServer:
         for s in (self.frontend, self.backend, self.events):
             if s is not None:
                 s.close(linger=0)
+        if self.links is not None:
+            self.links.close()
         if self.shm_io is not None:
             self.shm_io.close()
         if self.auth is not None:

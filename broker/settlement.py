@@ -14,7 +14,7 @@ from gradbus.codecs import wire
 from .actions import Acked, ToClient
 
 ALL = wire.ACKS_ALL
-ACKED = "acked"     # duplicate-window marker: applied and acknowledged
+ACKED = "acked"     # duplicate-window marker: applied and acknowledged (with no version)
 
 
 @dataclass(slots=True)
@@ -30,6 +30,7 @@ class Pending:
     t0: float = 0.0                # when the broker received it
     tables: tuple = ()             # the tables a push carries rows of
     step: bool = False             # released by a bsp barrier
+    names: tuple = ()              # the tensors a push carries gradients of
 
 
 class Settlement:
@@ -56,6 +57,8 @@ class Settlement:
             return []
         if seen == ACKED:
             return [ToClient(client.identity, [wire.pack(wire.ACK, msg=msg)])]
+        if type(seen) is int:       # acknowledged at that version
+            return [ToClient(client.identity, [wire.pack(wire.ACK, msg=msg, ver=seen)])]
         return [ToClient(client.identity, seen)]
 
     def remember(self, client, msg: int, value) -> None:
@@ -139,9 +142,10 @@ class Settlement:
         elif pend.kind == "push":
             self.meters.counters["pushes_applied"] += 1
             self.meters.h_ack.observe(self.now - pend.t0)
+            ver = self.catalog.least_version(pend.names) if pend.names else None
             if client is not None:
-                self.remember(client, pend.msg, ACKED)
-            return [Acked(pend.client, pend.msg), *woken]
+                self.remember(client, pend.msg, ACKED if ver is None else ver)
+            return [Acked(pend.client, pend.msg, ver), *woken]
         else:
             reply = [wire.pack(wire.INIT_OK, msg=pend.msg, **pend.reply)]
         if client is not None:

@@ -60,6 +60,7 @@ class ShmIO:
                 self.probe = shm.Segment.create(self.cluster, "b", 4096)
             except OSError as e:
                 log.warning("shared memory is off: %s", e)
+                self.stats["shm_exhausted"] = 1
         self.rings_swept = False           # dead processes' rings: only once recovered
         if self.probe is not None:
             shm.sweep(self.cluster, roles="s")   # boards: a reader finds one gone, reads again
@@ -90,6 +91,9 @@ class ShmIO:
         refs = self.ring.place(relay, frames[1:])
         if refs is None:
             out = frames
+            self.stats["shm_relay_full"] += 1
+            if self.ring.failed is not None:     # /dev/shm refused a segment
+                self.stats["shm_exhausted"] = 1
         else:
             out = wire.with_refs(frames, refs)
             self.stats["shm_relayed"] += 1
@@ -182,7 +186,7 @@ class ShmIO:
         self.core.sequencer.rings.removed(removed)
         self.stats["shm_swept"] += len(removed)
         if removed:
-            self.mapper.forget_removed()
+            self.mapper.prune(0.0)
 
     def _sweep(self) -> None:
         if not self.core.recovery.recovered():

@@ -27,6 +27,19 @@ _BROKER_COUNTERS = (
     ("replayed_batches", "replayed", "Batches replayed from an update log."),
     ("standbys_synced", "standbys_synced",
      "Standbys that finished catching up on a partition."),
+    ("shm_freed", "shm_freed",
+     "Pushes read from clients' shared-memory rings whose slots were given back (FREE)."),
+    ("shm_relayed", "shm_relayed",
+     "Batches of pushes that arrived as frames, handed to shards through the broker's ring."),
+    ("shm_inlined", "shm_inlined",
+     "Batches turned back into frames for a shard or log that does not read shared memory."),
+    ("links_opened", "links_opened",
+     "Local links opened by clients and shards on the broker's host (introduced and routed)."),
+    ("links_refused", "links_refused",
+     "Local links closed at once: a bad introduction, a live shard's identity, too many links."),
+    ("shm_fallbacks", "shm_relay_full",
+     "Batches that should have gone to shards through shared memory and went as frames: the "
+     "broker's ring had no room (or /dev/shm none for a new segment)."),
 )
 
 
@@ -113,6 +126,24 @@ def metrics(core, now: float) -> dict:
                                                    core.settings.shard_credit),
         "gradbus_broker_shard_up": stats.labelled("gauge", "1 if the shard is alive.",
                                                   "shard", alive),
+        "gradbus_broker_shard_silent": stats.labelled(
+            "gauge", "1 if the shard was declared dead without saying bye (silent past "
+            "liveness, or replaced by a new process under its id) and has not come back.",
+            "shard", {s.id: int(not s.alive and not s.left) for s in members.shards.values()}),
+        "gradbus_broker_replicas": stats.gauge("Copies of each partition wanted (--replicas).",
+                                               core.table.replicas),
+        "gradbus_broker_partitions_without_standby": stats.gauge(
+            "Partitions served by a live primary with no in-sync standby to fail over to.",
+            core.table.without_standby()),
+        "gradbus_broker_max_pending_bytes": stats.gauge(
+            "The byte cap on held_bytes (--max-pending-mb): at it, pushes are answered BUSY.",
+            core.settings.max_pending_bytes),
+        "gradbus_broker_shm": stats.gauge(
+            "1 if the broker offers shared memory to peers on its host.",
+            int(core.shm is not None)),
+        "gradbus_broker_shm_exhausted": stats.gauge(
+            "1 once /dev/shm refused the broker a segment (its probe, or its relay ring): "
+            "those bytes go as frames from then on.", int(c.get("shm_exhausted", 0) > 0)),
         "gradbus_broker_partitions_down": stats.gauge(
             "Partitions with no live primary.", len(core.table.down())),
         "gradbus_broker_under_replicated_partitions": stats.gauge(

@@ -95,10 +95,19 @@ class Ack:
     msg: int
     msgs: tuple | None    # every push acknowledged, when a non-empty list of ints came
     header: dict
+    ver: int | None = None          # ``msg``'s version, when an int >= 0 came
+    vers: dict | None = None        # msg -> version, from ``vers`` beside ``msgs``
+    free: tuple = ()                # pushes whose shared-memory slots are free (ints only)
 
     @property
     def ids(self) -> tuple:
         return self.msgs or (self.msg,)
+
+    def version(self, msg: int) -> int | None:
+        """The version push ``msg``'s tensors had once it was applied (None: not said)."""
+        if self.vers is not None:
+            return self.vers.get(msg)
+        return self.ver if msg == self.msg else None
 
 
 @dataclass(slots=True)
@@ -352,8 +361,12 @@ def _push(h, P):
     return Push(h["msg"], acks, ver, h.get("t", _EMPTY))
 
 
+def _version(v) -> int | None:
+    return v if v.__class__ is int and v >= 0 else None
+
+
 def _ack(h, P):
-    msgs = h.get("msgs")
+    msgs, vers = h.get("msgs"), None
     if msgs is not None:
         if msgs.__class__ is list and msgs:
             for m in msgs:
@@ -361,10 +374,15 @@ def _ack(h, P):
                     msgs = None
                     break
             else:
+                v = h.get("vers")
+                if v.__class__ is list and len(v) == len(msgs):
+                    vers = {m: _version(x) for m, x in zip(msgs, v)}
                 msgs = tuple(dict.fromkeys(msgs))
         else:
             msgs = None
-    return Ack(h["msg"], msgs, h)
+    free = h.get("free")
+    free = tuple(m for m in free if m.__class__ is int) if free.__class__ is list else ()
+    return Ack(h["msg"], msgs, h, _version(h.get("ver")), vers, free)
 
 
 def _batch(h, P):

@@ -97,20 +97,25 @@ def block_key(name: str, index: int) -> str:
 
 @dataclass(frozen=True)
 class TensorLayout:
-    """How one named tensor is laid out in blocks."""
+    """How one named tensor is laid out in blocks. What derives from the fields is computed
+    once (a layout never changes)."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     block_elems: int
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def nblocks(self) -> int:
         return max(1, -(-self.size // self.block_elems))
+
+    @functools.cached_property
+    def keys(self) -> tuple[str, ...]:
+        return tuple(block_key(self.name, i) for i in range(self.nblocks))
 
     def block_range(self, i: int) -> tuple[int, int]:
         start = i * self.block_elems
@@ -121,8 +126,8 @@ class TensorLayout:
         start, stop = self.block_range(i)
         return (stop - start) * (8 if self.dtype == "float64" else 4)
 
-    def block_keys(self) -> list[str]:
-        return [block_key(self.name, i) for i in range(self.nblocks)]
+    def block_keys(self) -> tuple[str, ...]:
+        return self.keys
 
     def to_wire(self) -> dict:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),

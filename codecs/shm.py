@@ -43,6 +43,7 @@ import re
 import struct
 import sys
 import threading
+import time
 
 import numpy as np
 import xxhash
@@ -261,20 +262,39 @@ class Mapper:
     def __init__(self, limit: int = MAX_MAPPED):
         self.limit = limit
         self.segs: collections.OrderedDict[str, Segment] = collections.OrderedDict()
+        self.used: dict[str, float] = {}      # name -> when it was last asked for (monotonic)
         self.lock = threading.Lock()
 
     def segment(self, name: str) -> Segment:
+        now = time.monotonic()
         with self.lock:
             seg = self.segs.get(name)
             if seg is not None:
                 self.segs.move_to_end(name)
+                self.used[name] = now
                 return seg
         seg = Segment.open(name)
         with self.lock:
             self.segs[name] = seg
+            self.used[name] = now
             while len(self.segs) > self.limit:
-                self.segs.popitem(last=False)[1].close()
+                old, gone = self.segs.popitem(last=False)
+                self.used.pop(old, None)
+                gone.close()
         return seg
+
+    def prune(self, idle: float) -> int:
+        """Close the segments whose file is gone (their owner removed it, or it was swept)
+        and that nobody asked for in the last ``idle`` seconds: a dead client's ring, mapped
+        (memory and a descriptor) for nothing. Returns how many."""
+        now = time.monotonic()
+        with self.lock:
+            gone = [name for name, seg in self.segs.items()
+                    if now - self.used.get(name, 0.0) >= idle and not os.path.exists(seg.path)]
+            for name in gone:
+                self.segs.pop(name).close()
+                self.used.pop(name, None)
+        return len(gone)
 
     def view(self, ref, n: int) -> memoryview:
         """The ``n`` bytes a ring ref names (a read-only view into the peer's segment)."""
@@ -325,20 +345,62 @@ class Mapper:
     def _stamped(ref, seg) -> bool:
         return _U64.unpack_from(seg.view, ref[1] - ALIGN)[0] == ref[2]
 
-    def forget_removed(self) -> int:
-        """Unmap the segments whose file is gone (their owner died and was swept): until
-        then the memory they hold stays in use. Returns how many."""
-        with self.lock:
-            gone = [name for name, seg in self.segs.items() if not os.path.exists(seg.path)]
-            for name in gone:
-                self.segs.pop(name).close()
-        return len(gone)
+    # -- the newest version of a board block (a live ref: [segment, offset, capacity]) -------
+    def _live(self, ref) -> tuple:
+        """The segment and both versions' header offsets of a live ref, bounds checked."""
+        seg = self.segment(ref[0])
+        off, cap = ref[1], ref[2]
+        if (type(off) is not int or type(cap) is not int or off < HEADER or off % ALIGN
+                or cap < 0 or cap % ALIGN or off + 2 * (cap + ALIGN) > seg.size
+                or seg.stamps is not None):
+            raise WireError(Code.BAD_FIELD, f"segment {seg.name}: {ref[1:]} is no board slot")
+        return seg, off, off + cap + ALIGN
+
+    @staticmethod
+    def _newest(view, h0: int, h1: int) -> tuple[int, int]:
+        """The stamp and header offset of a slot's newest written version ((0, 0): none)."""
+        s0 = _U64.unpack_from(view, h0)[0]
+        s1 = _U64.unpack_from(view, h1)[0]
+        s0 = 0 if s0 == _WRITING else s0
+        s1 = 0 if s1 == _WRITING else s1
+        return (s0, h0) if s0 >= s1 else (s1, h1)
+
+    def live_version(self, ref) -> tuple[int, int] | None:
+        """``(stamp, version)`` of the newest version a live ref's block has, or None when it
+        has none (given up, or never written)."""
+        seg, h0, h1 = self._live(ref)
+        view = seg.view
+        for _ in range(8):
+            stamp, h = self._newest(view, h0, h1)
+            if not stamp:
+                return None
+            version = _U64.unpack_from(view, h + 8)[0]
+            if _U64.unpack_from(view, h)[0] == stamp:
+                return stamp, version
+        return None
+
+    def read_live(self, ref, out: memoryview) -> tuple[int, int] | None:
+        """Copy the newest whole version of a live ref's block into ``out`` (a writable byte
+        view of its size); ``(stamp, version)``, or None when there is none to read (given up,
+        never written, of another size, or rewritten under every attempt)."""
+        seg, h0, h1 = self._live(ref)
+        view, n = seg.view, out.nbytes
+        for _ in range(8):
+            stamp, h = self._newest(view, h0, h1)
+            if not stamp or _U64.unpack_from(view, h + 24)[0] != n:
+                return None
+            out[:] = view[h + ALIGN:h + ALIGN + n]
+            version = _U64.unpack_from(view, h + 8)[0]
+            if _U64.unpack_from(view, h)[0] == stamp:
+                return stamp, version
+        return None
 
     def close(self) -> None:
         with self.lock:
             for seg in self.segs.values():
                 seg.close()
             self.segs.clear()
+            self.used.clear()
 
 
 def _copy_reply(seg: Segment, off: int, n: int, stamp: int) -> bytearray | None:

@@ -204,14 +204,18 @@ class Ring:
 
 
 class Board:
-    """A shard's published weights: per block two versions, each a stamp word then the bytes;
-    a block's versions alternate, so a reader one publish behind still reads a whole block."""
+    """A shard's published weights: per block two versions, each a 64-byte header (the stamp,
+    then the block's version, the partition seq it was published at and its byte count, one
+    uint64 each) then the bytes; a block's versions alternate, so a reader one publish behind
+    still reads a whole block, and a reader of the newest (:meth:`live_ref`) picks the higher
+    stamp of the two."""
 
     def __init__(self, cluster: str, segment_bytes: int = 64 << 20):
         self.cluster = cluster
         self.segment_bytes = segment_bytes
         self.arenas: list[_Arena] = []
-        self.slots: dict[str, list] = {}      # key -> [arena, offset, capacity, next version]
+        # key -> [arena, offset, capacity, next version slot, the block's version written last]
+        self.slots: dict[str, list] = {}
         # stamps count up from a random 56-bit start: bytes written where a given-up slot's
         # stamp was (its partition moved) equal a stamp a reader still holds in a ref only by
         # a chance of about 2^-56, not whenever they are small integers
@@ -250,12 +254,13 @@ class Board:
             off = arena.alloc(need) if arena is not None else None
             if off is None:
                 return None
-        slot = self.slots[key] = [arena, off, cap, 0]
+        slot = self.slots[key] = [arena, off, cap, 0, -1]
         return slot
 
-    def write(self, key: str, buf) -> list | None:
-        """Publish ``buf`` as the block's next version; its ref ``[segment, offset, stamp]``,
-        or None (publish it as a frame) when the board has no room."""
+    def write(self, key: str, buf, version: int = 0, seq: int = 0) -> list | None:
+        """Publish ``buf`` as the block's next version (``version``: gradients applied to it,
+        ``seq``: its partition's seq); its ref ``[segment, offset, stamp]``, or None (publish
+        it as a frame) when the board has no room."""
         if not ORDERED_STORES:
             return None
         src = memoryview(buf).cast("B")
@@ -264,17 +269,35 @@ class Board:
         if slot is None:
             self.stats["shm_board_full"] += 1
             return None
-        arena, off, cap, nxt = slot
+        arena, off, cap, nxt, _ = slot
         slot[3] = nxt ^ 1
+        slot[4] = version
         word = off + nxt * (cap + ALIGN)
         data = word + ALIGN
         self.stamp += 1
         view = arena.seg.view
-        stamp = arena.seg.words[word >> 3:(word >> 3) + 1]   # one aligned 8-byte store each
-        stamp[0] = _WRITING
+        head = arena.seg.words[word >> 3:(word >> 3) + 4]   # aligned 8-byte stores each
+        head[0] = _WRITING
         view[data:data + n] = src
-        stamp[0] = self.stamp
+        head[1] = version
+        head[2] = seq
+        head[3] = n
+        head[0] = self.stamp
         return [arena.seg.name, data, self.stamp]
+
+    def holds(self, key: str, version: int) -> bool:
+        """Whether the block's newest version here is ``version``."""
+        slot = self.slots.get(key)
+        return slot is not None and slot[4] == version
+
+    def live_ref(self, key: str) -> list | None:
+        """Where a reader finds the newest version of ``key`` whenever it reads:
+        ``[segment, offset, capacity]`` (the first version's header, the bytes each version
+        has room for); None when the block was never written here."""
+        slot = self.slots.get(key)
+        if slot is None:
+            return None
+        return [slot[0].seg.name, slot[1], slot[2]]
 
     def forget(self, keys) -> None:
         """Blocks this shard no longer publishes (their partition moved away)."""

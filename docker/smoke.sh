@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Smoke test of the docker example, end to end: builds the image, brings up the compose stack
-# (broker, 3 shards, 2 demo workers, CURVE on every connection; Prometheus and Grafana too when
-# their images are present locally, else skipped with a note), waits for both workers to finish,
+# (broker, 3 shards, 2 demo workers, CURVE on every connection; Prometheus, Alertmanager and
+# Grafana, the monitoring profile, too when their images are present locally, else skipped with
+# a note), waits for both workers to finish,
 # checks `gradbus status` (every shard alive, pushes applied) and each worker's last line (the
 # demo model's test accuracy at least MIN_ACCURACY), then tears everything down (containers,
 # network, volumes, the key pairs it made) whether it passed or not. Exit status 0: it worked.
@@ -15,7 +16,7 @@
 # (use the gradbus:local image as it is). It runs the stack from a copy of docker/ under a
 # temporary folder, with key pairs of its own, as the compose project gradbus-smoke: it never
 # touches docker/keys or a running `gradbus` project, but it publishes the same host ports
-# (127.0.0.1:5555-5557, 9090, 3000), so those must be free.
+# (127.0.0.1:5555-5557, 9090, 9093, 3000), so those must be free.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -36,6 +37,7 @@ say() { printf 'smoke: %s\n' "$*"; }
 fail() { say "FAIL: $*"; exit 1; }
 
 work=$(mktemp -d)
+export COMPOSE_PROFILES=monitoring   # its services start only when named below; down removes them
 dc() { "${compose[@]}" -p "$project" -f "$work/docker/docker-compose.yml" "$@"; }
 cleanup() {
   local rc=$?
@@ -66,8 +68,8 @@ docker image inspect "$image" >/dev/null 2>&1 || fail "no image $image"
 
 # 2. the stack's files, with fresh key pairs (secret keys owned by the containers' uid 10001)
 mkdir -p "$work/docker/keys"
-cp -r "$here/docker-compose.yml" "$here/gradbus.toml" "$here/prometheus.yml" "$here/grafana" \
-  "$work/docker/"
+cp -r "$here/docker-compose.yml" "$here/gradbus.toml" "$here/prometheus.yml" "$here/alerts.yml" \
+  "$here/alertmanager.yml" "$here/grafana" "$work/docker/"
 docker run --rm --user 0 --entrypoint sh -v "$work/docker/keys:/keys" "$image" -c \
   'gradbus keys generate /keys --name broker --role operator >/dev/null
    gradbus keys generate /keys --name shard --role shard >/dev/null
@@ -75,8 +77,8 @@ docker run --rm --user 0 --entrypoint sh -v "$work/docker/keys:/keys" "$image" -
    chown 10001:10001 /keys/*.key_secret' || fail "could not make the key pairs"
 
 services=(broker shard-0 shard-1 shard-2 worker-0 worker-1)
-for svc in prometheus grafana; do
-  img=$(grep -oE "image: *(prom/prometheus|grafana/grafana):[^ ]+" "$here/docker-compose.yml" \
+for svc in prometheus alertmanager grafana; do
+  img=$(grep -oE "image: *(prom/prometheus|prom/alertmanager|grafana/grafana):[^ ]+" "$here/docker-compose.yml" \
         | sed 's/image: *//' | grep -m1 "/$svc:" || true)
   if [[ -n $img ]] && docker image inspect "$img" >/dev/null 2>&1; then
     services+=("$svc")
@@ -136,6 +138,7 @@ done
 for svc in "${services[@]}"; do
   case $svc in
     prometheus) url=http://127.0.0.1:9090/-/ready ;;
+    alertmanager) url=http://127.0.0.1:9093/-/ready ;;
     grafana) url=http://127.0.0.1:3000/api/health ;;
     *) continue ;;
   esac

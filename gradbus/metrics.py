@@ -106,6 +106,7 @@ def client_snapshot(client) -> dict:
     else:
         st = {}
     wire_b, raw_b = st.get("push_bytes", 0), st.get("push_raw_bytes", 0)
+    ring = getattr(getattr(client, "shm", None), "ring", None)
     return {
         "gradbus_client_pushes": stats.counter("Pushes sent.", st.get("pushes", 0)),
         "gradbus_client_pushes_acked": stats.counter("Pushes acknowledged.",
@@ -126,6 +127,19 @@ def client_snapshot(client) -> dict:
             len(getattr(client, "_credit_held", ()))),
         "gradbus_client_broker_up": stats.gauge("1 while the broker answers.",
                                                 int(client.broker_alive)),
+        "gradbus_client_shm": stats.gauge(
+            "1 if this client pushes through shared memory (its ring).",
+            int(ring is not None and ring.failed is None)),
+        "gradbus_client_shm_freed": stats.counter(
+            "Pushes from the ring whose slots the broker gave back (FREE).",
+            st.get("shm_freed", 0)),
+        "gradbus_client_shm_exhausted": stats.gauge(
+            "1 once /dev/shm refused this client a ring segment: pushes go as frames from "
+            "then on.", int(ring is not None and ring.failed is not None)),
+        "gradbus_client_shm_fallbacks": stats.counter(
+            "Pushes sent as frames while this client had shared memory: its ring had no room "
+            "(slots wait for FREE) or /dev/shm none for a new segment.",
+            ring.stats["pushes_as_frames"] if ring is not None else 0),
     }
 
 

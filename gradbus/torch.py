@@ -35,7 +35,10 @@ class ParameterServerModule(torch.nn.Module):
     under the key ``prefix + name`` (``"0.weight"``, ``"fc.bias"``, ...) with ``optimizer`` (see
     :attr:`keys`). Creation is idempotent: names that already exist keep their server values, and
     those values are loaded into the module, so every worker starts from the weights of the first
-    one (or from wherever training has got to).
+    one (or from wherever training has got to). ``consistency``, ``stale_policy`` and
+    ``scale_lr`` are :meth:`Client.init`'s, for the parameters this call creates (async,
+    ``"ssp:S"``, ``"bsp:N"``; see docs/sdk.md): an ssp push refused as too stale raises
+    :class:`gradbus.StaleError` from the push's Future (``acks=1``) or from a later step.
 
     ``ps(x)`` calls the wrapped module. After ``loss.backward()``, :meth:`step` pushes every
     parameter's gradient with ``codec`` (any chain the SDK takes; ``None``: the client's),
@@ -65,7 +68,9 @@ class ParameterServerModule(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module, client: Client, *,
                  optimizer: specs.Optimizer | None = None, codec: str | None = None,
-                 acks: int | str = 0, prefix: str = "", timeout: float | None = None):
+                 acks: int | str = 0, prefix: str = "", timeout: float | None = None,
+                 consistency: str | None = None, stale_policy: str = "refuse",
+                 scale_lr: bool = False):
         super().__init__()
         self.module = module
         self.client = client
@@ -84,7 +89,8 @@ class ParameterServerModule(torch.nn.Module):
         self._staging: dict[str, torch.Tensor] = {}   # name -> pinned host buffer (CUDA grads)
         self.version = -1   # gradients applied to the weights loaded (least over the trainable)
         client.init({self._keys[n]: p.detach().cpu().numpy() for n, p in params.items()},
-                    optimizer=optimizer, timeout=timeout)
+                    optimizer=optimizer, timeout=timeout, consistency=consistency,
+                    stale_policy=stale_policy, scale_lr=scale_lr)
         self.sync()
 
     @property

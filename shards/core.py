@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from gradbus.codecs import jit, messages, stats, wire
+from gradbus.codecs import hops, jit, messages, stats, wire
 from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import split_row_key
 
@@ -108,16 +108,23 @@ class ShardCore:
         """Every part applied (those of partitions being caught up on held back), the rows of
         all of them updated together, then the APPLIED reply and the parts' UPDATEs."""
         t0 = time.perf_counter()
+        if hops.ON:
+            msgs = [e.m for part in m.parts for e in part.e if getattr(e, "m", None) is not None]
+            hops.stamp("shard_in", msgs)
         out_parts, tail, done = [], [], []
         rows = RowBatch()     # every partition's table rows, updated together
         for part in m.parts:
             if not self.replication.hold(part, descs, frames):
                 done.append(self.applier.apply_part(part, descs, frames, rows))
         rows.apply()
+        if hops.ON:
+            hops.stamp("applied", msgs)
         for applied in done:
             res, pub = self.publisher.result(applied)
             out_parts.append(res)
             tail.extend(pub)
+        if hops.ON:
+            hops.stamp("shard_out", msgs)
         self.stats["batches"] += 1
         self.h_apply.observe(time.perf_counter() - t0)
         return [wire.pack(wire.APPLIED, parts=out_parts, shard=self.shard_id), *tail]
@@ -229,6 +236,10 @@ class ShardCore:
             ("syncs", "Partitions installed from a primary's state (catch-up)."),
             ("states_sent", "Partition states exported to a catching-up standby."),
             ("checkpoints", "Checkpoints written."),
+            ("shm_replies", "Replies (snapshots, rows, states) written into the reply area for "
+             "readers of shared memory."),
+            ("shm_replies_full", "Replies to readers of shared memory sent as frames: larger "
+             "than the reply area may grow ($GRADBUS_SHM_REPLY_MB)."),
             ("errors", "Messages that failed validation or handling."))}
         m["gradbus_shard_parameter_bytes"] = stats.gauge("Bytes of parameters held.",
                                                          self.store.nbytes)

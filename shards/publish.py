@@ -55,25 +55,22 @@ class Publisher:
             res["n"] = -1
             return res, []
         descs, bufs = [], []
-        board = self.board
+        board, raw = self.board, self.weights_chain == "raw" and not self.delta
         for blk in done.changed.values():
+            host = self.backend.to_host(blk.value)
+            # the board always holds the raw weights: readers on this host read the newest
+            # whenever they read (a copy into the board, not into a frame)
+            ref = board.write(blk.key, host, blk.version, done.seq) if board is not None \
+                else None
             if self.delta:
                 d, buf = self._encode_delta(blk, done.seq)
+            elif ref is not None and raw:
+                # the UPDATE references it: readers copy it out under its stamps, unhashed
+                d, _ = wire.encode_tensor(blk.key, host, "raw", blk.version, hashed=False)
+                d["r"], buf = ref, b""
             else:
-                host = self.backend.to_host(blk.value)
-                # into a board: readers copy it out under its stamps and do not hash it
-                d, buf = wire.encode_tensor(blk.key, host, self.weights_chain, blk.version,
-                                            hashed=board is None)
-                if board is None:
-                    buf = net.detach(buf, host)   # the next step writes the block in place
-            if board is not None:
-                ref = board.write(blk.key, buf)   # a copy into the board, not into a frame
-                if ref is not None:
-                    d["r"] = ref
-                    buf = b""
-                elif not self.delta:
-                    buf = net.detach(buf, host)
-                    d["x"] = wire.checksum(buf)
+                d, buf = wire.encode_tensor(blk.key, host, self.weights_chain, blk.version)
+                buf = net.detach(buf, host)     # the next step writes the block in place
             descs.append(d)
             bufs.append(buf)
         pub = wire.pack(wire.UPDATE, descs, p=done.p, seq=done.seq, epoch=done.epoch)
@@ -104,6 +101,7 @@ class Publisher:
         ``published``), with each one's partition seq; unknown keys listed as missing."""
         self.stats["snapshots"] += 1
         area = self.replies if h.shm else None
+        board = self.board if h.shm else None
         frames = area is None          # frames go out later: they must not alias live values
         descs, bufs, missing, parts = [], [], [], {}
         for key in h.keys:
@@ -111,6 +109,12 @@ class Publisher:
             if blk is None:
                 missing.append(key)
                 continue
+            live = None
+            if board is not None:      # where a reader on this host finds the newest, always
+                if not board.holds(key, blk.version):
+                    board.write(key, self.backend.to_host(blk.value), blk.version,
+                                self.store.partition(blk.p).seq)
+                live = board.live_ref(key)
             if self.delta and blk.published is not None:   # what subscribers' deltas build on
                 d, buf = wire.encode_tensor(key, blk.published.copy() if frames else
                                             blk.published, "raw", blk.version, hashed=frames)
@@ -119,6 +123,8 @@ class Publisher:
                 value = host_copy(self.backend, blk.value) if frames else \
                     self.backend.to_host(blk.value)
                 d, buf = wire.encode_tensor(key, value, "raw", blk.version, hashed=frames)
+            if live is not None:
+                d["b"] = live
             descs.append(d)
             bufs.append(buf)
             parts[blk.p] = self.store.partition(blk.p).seq

@@ -23,14 +23,15 @@ import uuid
 
 import zmq
 
-from gradbus.codecs import messages, net, security, timing, wire
+from gradbus.codecs import link, messages, net, security, timing, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
 from . import checkpoint
 from .core import ShardCore
+from .meters import ShardMeters
 from .registration import Connect, Heartbeat, Register, Registration
-from .shm_io import ShardShm
+from .shm_io import PRUNE_EVERY, ShardShm
 
 log = logging.getLogger("gradbus.shard")
 
@@ -87,6 +88,7 @@ class ShardServer:
         self._ckpt_done: collections.deque = collections.deque()   # replies from the writer
         self._ckpt_waiting: list = []            # CHECKPOINT requests for the running write
         self.last_checkpoint: checkpoint.Checkpoint | None = None
+        self.meters = ShardMeters(checkpoint_interval, data_dir)
         if restore:
             self.restore(restore)
 
@@ -131,7 +133,10 @@ class ShardServer:
             self._ckpt_thread = None
             if ck is not None:
                 self.last_checkpoint = ck
+                self.meters.checkpoint_written(ck.time)
                 self.core.stats["checkpoints"] = self.core.stats.get("checkpoints", 0) + 1
+            else:
+                self.meters.checkpoint_failed()
             for req in waiting:
                 self._reply_checkpoint(req, ck, err)
         if self._ckpt_waiting:
@@ -159,14 +164,21 @@ class ShardServer:
         except net.Stopped:
             return False
         self.shm.welcome(welcome)
+        # a fresh, unguessable routing id per connection (never starting with a zero byte,
+        # which libzmq reserves): the broker binds this shard's name to it only by REGISTER
+        rid = b"S" + os.urandom(ROUTING_ID_BYTES - 1)
+        if self.shm.cluster is not None and self.curve is None:
+            lnk = link.connect((welcome.get("shm") or {}).get("link"), link.SHARD, rid)
+            if lnk is not None:      # on the broker's host: a local link, not the backend
+                self.sock = link.LinkSocket(lnk)
+                log.info("%s: connected to the broker over a local link", self.shard_id)
+                return True
         backend = net.url(host, welcome["backend"])
         self.sock = self.ctx.socket(zmq.DEALER)
         net.tune(self.sock)
         if self.curve is not None:
             security.client_setup(self.sock, self.curve)
-        # a fresh, unguessable routing id per connection (never starting with a zero byte,
-        # which libzmq reserves): the broker binds this shard's name to it only by REGISTER
-        self.sock.setsockopt(zmq.ROUTING_ID, b"S" + os.urandom(ROUTING_ID_BYTES - 1))
+        self.sock.setsockopt(zmq.ROUTING_ID, rid)
         self._watch = security.HandshakeWatch(self.sock, self.curve, backend)
         self.sock.connect(backend)
         self._send_by = time.monotonic() + self.hello_timeout
@@ -189,7 +201,7 @@ class ShardServer:
         (see the module's docstring), or the shard is stopping."""
         if self._watch is None:
             self.sock.send(msg)
-            return True
+            return not getattr(self.sock, "lost", False)
         while not self.stopping.is_set():
             failures = self._watch.failures
             step = min(self._send_by, time.monotonic() + net.STOP_STEP)
@@ -238,7 +250,7 @@ class ShardServer:
                         info["metrics_url"] = self.metrics_url
                     sent = self._send(wire.pack(wire.HEARTBEAT, info=info))
                     if self.on_metrics is not None:
-                        self.on_metrics(self.core.metrics())
+                        self.on_metrics(self.metrics())
             if not sent:
                 if self.stopping.is_set():
                     break
@@ -254,9 +266,9 @@ class ShardServer:
     def run(self) -> None:
         try:
             self._act(self.reg.start())
-            last_ckpt = self.clock()
+            last_ckpt = next_prune = self.clock()
             while not self.stopping.is_set():
-                if self._handshake_failed():
+                if self._handshake_failed() or getattr(self.sock, "lost", False):
                     self._act(self.reg.lost(self.clock()))
                     continue
                 if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
@@ -264,12 +276,14 @@ class ShardServer:
                 now = self.clock()
                 if self._ckpt_done:
                     self._checkpoint_replies()
+                if now >= next_prune:
+                    next_prune = now + PRUNE_EVERY
+                    self.shm.prune()
                 if (self.checkpoint_interval and self.data_dir and self._ckpt_thread is None
                         and now - last_ckpt >= self.checkpoint_interval):
                     last_ckpt = now
                     self._start_checkpoint(None)
                 self._act(self.reg.tick(now))
-                self.shm.tick(now)
         finally:
             self.close()
 
@@ -322,6 +336,11 @@ class ShardServer:
                 self.reg.sent(self.clock())
             if self.reg.quiet(self.clock()):
                 break   # a slow shard still heartbeats between messages
+
+    def metrics(self) -> dict:
+        """A snapshot for the Prometheus exporter: the core's, the checkpoints' and shared
+        memory's."""
+        return {**self.core.metrics(), **self.meters.snapshot(self.shm)}
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name=f"gradbus-{self.shard_id}", daemon=True)

@@ -25,7 +25,8 @@ from gradbus.codecs.errors import WireError
 
 log = logging.getLogger("gradbus.shard")
 
-UNMAP_EVERY = 5.0      # seconds between looks for removed segments still mapped here
+PRUNE_EVERY = 5.0     # seconds between looks for peers' segments that are gone
+PRUNE_IDLE = 30.0     # ... and not read for this long: unmapped
 
 
 def reply_cap(value: int | None = None) -> int:
@@ -74,7 +75,6 @@ class ShardShm:
         self.replies: shm.ReplyArea | None = None
         self.reply_cap = reply_cap(reply_bytes) if enabled else 0
         self.stats = {"shm_unreadable": 0}
-        self.next_unmap = 0.0
 
     def welcome(self, welcome: dict) -> None:
         self.cluster = shm.accept(welcome.get("shm")) if self.enabled else None
@@ -99,6 +99,13 @@ class ShardShm:
         else:
             publisher.board = publisher.replies = None
 
+    def prune(self) -> None:
+        """Unmap peers' segments that are gone and unused for ``PRUNE_IDLE`` seconds (the rings
+        of clients that closed or died): no batch in flight can still name one."""
+        n = self.mapper.prune(PRUNE_IDLE)
+        if n:
+            self.stats["shm_unmapped"] = self.stats.get("shm_unmapped", 0) + n
+
     def resolve(self, t: list, frames: list) -> bool:
         """The bytes a message from the broker references in clients' rings (or in a shard's
         reply area: a STATE), in its frames (in place). A ring that cannot be read leaves
@@ -108,13 +115,6 @@ class ShardShm:
         ok = wire.resolve_refs(t, tensors, self.mapper, self._unreadable)
         frames[1:] = tensors
         return ok
-
-    def tick(self, now: float) -> None:
-        """Every :data:`UNMAP_EVERY` seconds: unmap the peers' segments that were removed
-        (a dead client's ring, swept by the broker), so that their memory is freed."""
-        if now >= self.next_unmap:
-            self.next_unmap = now + UNMAP_EVERY
-            self.mapper.forget_removed()
 
     def _unreadable(self, err: WireError, n: int) -> bytes:
         self.stats["shm_unreadable"] += 1

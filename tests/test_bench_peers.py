@@ -1,5 +1,5 @@
-"""bench/peers.py's shared-memory floor: the seqlock board under a concurrent writer, and the
-segments' removal. No torch needed."""
+"""bench/peers.py's pieces: the shared-memory floor's seqlock board under a concurrent writer,
+the segments' removal, and the round-trip samples. No torch needed."""
 import os
 import subprocess
 import sys
@@ -10,22 +10,23 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import peers  # noqa: E402
+import floor  # noqa: E402
+import peers  # noqa: E402, F401  (the bench imports)
 
 N = 1 << 16                 # 256 KiB blocks: a copy is long enough for a read to overlap a write
 READS = 1000
 DEADLINE = 120.0
 
-pytestmark = pytest.mark.skipif(not os.path.isdir(peers.floor.SHM_DIR), reason="no /dev/shm")
+pytestmark = pytest.mark.skipif(not os.path.isdir(floor.SHM_DIR), reason="no /dev/shm")
 
 
 def _bench_segments() -> set:
-    return {f for f in os.listdir(peers.floor.SHM_DIR) if f.startswith(peers.floor.SHM_PREFIX)}
+    return {f for f in os.listdir(floor.SHM_DIR) if f.startswith(floor.SHM_PREFIX)}
 
 
 def writer(path, n):
     """Rewrites the board with constant blocks k, k+1, ... until it is terminated."""
-    board, block, k = peers.Board(path, n), np.empty(n, np.float32), 1
+    board, block, k = floor.Board(path, n), np.empty(n, np.float32), 1
     while True:
         block.fill(k)
         board.write(block)
@@ -34,14 +35,14 @@ def writer(path, n):
 
 def test_seqlock_board_never_returns_a_torn_block():
     before = _bench_segments()
-    with peers.Segments() as segs:
-        path = segs.make("board", peers.Board.size(N))
+    with floor.Segments() as segs:
+        path = segs.make("board", floor.Board.size(N))
         assert os.path.basename(path).startswith("gradbus-bench-")
         assert os.stat(path).st_mode & 0o777 == 0o600
         code = f"from tests.test_bench_peers import writer; writer({path!r}, {N})"
         proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT)
         try:
-            board, out = peers.Board(path, N), np.empty(N, np.float32)
+            board, out = floor.Board(path, N), np.empty(N, np.float32)
             deadline = time.monotonic() + DEADLINE
             while board.read(out) == 0:             # the writer's first block
                 assert proc.poll() is None and time.monotonic() < deadline, "no writer"
@@ -64,9 +65,27 @@ def test_seqlock_board_never_returns_a_torn_block():
 
 def test_segments_are_removed_on_error():
     before = _bench_segments()
-    with pytest.raises(RuntimeError), peers.Segments() as segs:
+    with pytest.raises(RuntimeError), floor.Segments() as segs:
         segs.make("ring0", 4096)
-        segs.make("board", peers.Board.size(16))
+        segs.make("board", floor.Board.size(16))
         assert len(_bench_segments() - before) == 2
         raise RuntimeError("a failure inside the run")
     assert _bench_segments() <= before
+
+
+def test_samples_window_takes_the_updates_made_fresh_in_it():
+    import ctypes
+    import types
+    s = floor.Samples(types.SimpleNamespace(RawArray=lambda _t, n: (ctypes.c_double * n)()))
+    for k in range(5):
+        s.sent(k)
+        s.acked(k)
+        s.fresh(k)
+    t = list(np.frombuffer(s.t, np.float64)[:15])
+    s.sent(5)                          # sent, never acked: not a round trip
+    s.t[17] = t[14] + 1.0
+    acks, fresh = s.window(t[2], t[11])       # updates 1, 2 and 3 were made fresh in it
+    assert len(acks) == len(fresh) == 3
+    assert all(0 <= a <= f for a, f in zip(acks, fresh))
+    s.sent(5 + floor.Samples.CAPACITY)        # the slot of update 5 again: its old times go
+    assert s.t[16] == 0.0 and s.t[17] == 0.0

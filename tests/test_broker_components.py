@@ -191,6 +191,24 @@ def test_settled_pushes_become_one_ack_per_client_and_no_pseudo_action_escapes()
     rig.broker.validate_state()
 
 
+def test_slots_freed_with_an_ack_ride_in_it_and_acks_go_first():
+    """One step's freed ring slots go in the ACK to their client (``free``); a client with
+    slots freed and nothing acknowledged gets a FREE; the ACKs come before the step's other
+    actions."""
+    core = BrokerCore(16)
+    core.sequencer.freed += [(b"c", 2), (b"c", 3), (b"d", 7)]
+    pub = Publish([wire.topic_partition(0), wire.pack(wire.UPDATE, p=0, seq=1, epoch=1)])
+    out = core._coalesce([pub, Acked(b"c", 2, 5), Acked(b"c", 3, 6)])
+    assert isinstance(out[0], AckClient) and out[0].identity == b"c"
+    ack = unpack(out[0].frames[0])
+    assert (ack["msgs"], ack["vers"], ack["free"]) == ([2, 3], [5, 6], [2, 3])
+    assert out[1] is pub
+    free = [unpack(a.frames[0]) for a in out[2:] if isinstance(a, ToClient)]
+    assert [(a.identity, f["kind"], f["msgs"]) for a, f in zip(out[2:], free)] == [
+        (b"d", wire.FREE, [7])]
+    assert not core.sequencer.freed and core.counters["shm_freed"] == 3
+
+
 def test_rebalance_counts_the_moves_it_started_by_their_adopt_actions():
     rig = Rig(("s0",), auto_rebalance=False)
     frames, layout = init_msg(1, "w", np.zeros(64, np.float32))

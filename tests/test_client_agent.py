@@ -337,8 +337,9 @@ def test_answers_to_resent_pushes_are_counted_once(make_cluster):
     with gradbus.connect(cluster.url) as c:
         c.init({"w": np.zeros(4, np.float32)})
         sent = []
-        real = c.agent.submit
+        real, noted = c.agent.submit, c.agent.note     # through the agent, or on the link
         c.agent.submit = lambda cmd: (sent.append(cmd), real(cmd))
+        c.agent.note = lambda cmd: (sent.append(cmd), noted(cmd))
         for _ in range(5):
             c.push({"w": np.ones(4, np.float32)})
         c.flush()
@@ -351,3 +352,48 @@ def test_answers_to_resent_pushes_are_counted_once(make_cluster):
         assert c.stats["pushes_acked"] == c.stats["pushes"] == 5
         assert not c._credit_held
 
+
+
+# -- pushes written on the local link by the user's thread ---------------------------------
+def test_an_answer_read_before_its_push_was_noted_still_finds_its_future():
+    """A user's thread notes a push for the agent (without waking it), then writes it on the
+    link itself; the answer can come back while the agent is still reading the link in the
+    same pass, before it took the note from its queue. The agent takes queued notes before
+    each answer it reads, so the Future is there to resolve."""
+    import threading
+
+    import zmq
+
+    from gradbus.workers.agent import Agent
+    from gradbus.workers.commands import SendMessage as Note
+
+    state, _ = make_state()
+    fut: Future = Future()
+
+    class RacingLink:
+        """Its first read is the moment the user's thread notes push 5 and writes it; the
+        answer is then already there."""
+        fd, closed, buffered, pending = -1, False, False, 0
+
+        def __init__(self):
+            self.reads = 0
+
+        def recv(self):
+            self.reads += 1
+            if self.reads == 1:
+                state.credit.take(10, 1.0, lambda: 5, lambda: None, state.stats)
+                agent.note(Note(5, [wire.pack(wire.PUSH, [], msg=5, acks=1)], fut, sent=True))
+                return [wire.pack(wire.ACK, msg=5, ver=3)]
+            return None
+
+    ctx = zmq.Context()
+    agent = Agent(ctx, b"c" * 16, state, threading.Lock())
+    try:
+        agent._drain_link(RacingLink(), zmq.Poller())
+    finally:
+        agent.pipe_in.close(linger=0)
+        agent.pipe_out.close(linger=0)
+        ctx.term()
+    assert fut.done() and fut.result() == {"kind": wire.ACK, "msg": 5, "ver": 3}
+    assert not state.take()                      # noted as written: the agent sends nothing
+    assert state.stats["duplicate_answers"] == 0 and not state.credit.held

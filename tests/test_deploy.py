@@ -1,5 +1,6 @@
 """The deployment files: docker/Dockerfile, .dockerignore, docker/docker-compose.yml, docker/.env,
-docker/prometheus.yml, docker/grafana/ and docker/k8s/.
+docker/prometheus.yml, docker/grafana/ and docker/k8s/ (the alert rules and the Alertmanager's
+configuration are checked by Prometheus's own tools in tests/test_alerts.py).
 
 No container runs here. Each file is parsed and checked against the code:
 
@@ -18,6 +19,8 @@ No container runs here. Each file is parsed and checked against the code:
   classic builder builds it too, with no registry;
 * the compose file runs on Compose 1.29 (no top-level ``name``; the project name is in
   docker/.env) and v2;
+* Prometheus, Alertmanager and Grafana are the optional profile ``monitoring``, with the
+  same files: the rules mounted beside prometheus.yml, alerts sent to the alertmanager service;
 * the Grafana dashboard queries only metrics the scraped processes export.
 
 Paths in command lines. Parsing opens one file: ``--config`` (click checks that it exists,
@@ -55,6 +58,8 @@ from gradbus import cli, config, metrics
 from gradbus.broker.core import BrokerCore
 from gradbus.codecs import net
 from gradbus.shards.core import ShardCore
+from gradbus.shards.meters import ShardMeters
+from gradbus.shards.shm_io import ShardShm
 
 yaml = pytest.importorskip("yaml")
 
@@ -600,14 +605,68 @@ def check_compose_versions(doc: dict, env_text: str) -> list[str]:
     return out
 
 
+# -- the monitoring profile ------------------------------------------------------------------
+
+MONITORING = {"prometheus", "alertmanager", "grafana"}
+
+
+def _mounts(svc: dict) -> dict[str, str]:
+    """A service's bind mounts of files in docker/: source -> path in the container."""
+    return {v.split(":")[0]: v.split(":")[1] for v in svc.get("volumes") or []
+            if v.startswith("./")}
+
+
+def check_monitoring(doc: dict, prom: dict) -> list[str]:
+    """Prometheus, Alertmanager and Grafana are the optional profile ``monitoring`` (the
+    cluster runs without it), mount files that exist, and Prometheus finds its rules beside its
+    configuration and sends alerts to the alertmanager service."""
+    out = []
+    svcs = doc["services"]
+    for name, svc in svcs.items():
+        prof = svc.get("profiles")
+        if name in MONITORING and prof != ["monitoring"]:
+            out.append(f"compose {name}: profiles {prof}, not [monitoring]")
+        if name not in MONITORING and prof:
+            out.append(f"compose {name}: in profiles {prof}; the cluster runs without one")
+        for dep in svc.get("depends_on") or []:
+            if (svcs.get(dep) or {}).get("profiles") and not prof:
+                out.append(f"compose {name}: depends on {dep}, which runs only in a profile")
+        for src in _mounts(svc):
+            if not (DOCKER / src).exists():
+                out.append(f"compose {name}: mounts {src}, which is not in docker/")
+    if not MONITORING <= set(svcs):
+        return out + [f"compose: no {sorted(MONITORING - set(svcs))} service"]
+    mounts = _mounts(svcs["prometheus"])
+    conf = mounts.get("./prometheus.yml")
+    if conf is None:
+        return out + ["compose prometheus: does not mount ./prometheus.yml"]
+    for rf in prom.get("rule_files") or []:
+        want = posixpath.join(posixpath.dirname(conf), rf)
+        if mounts.get("./" + posixpath.basename(rf)) != want:
+            out.append(f"prometheus.yml: rule file {rf} is not mounted at {want}")
+    if not prom.get("rule_files"):
+        out.append("prometheus.yml: no rule_files")
+    targets = [t for am in (prom.get("alerting") or {}).get("alertmanagers", [])
+               for sc in am.get("static_configs", []) for t in sc.get("targets", [])]
+    if targets != ["alertmanager:9093"]:      # the alertmanager image's default port
+        out.append(f"prometheus.yml: alerts go to {targets}, not alertmanager:9093")
+    am = svcs["alertmanager"]
+    flags = dict(a.split("=", 1) for a in am.get("command") or [] if "=" in a)
+    if _mounts(am).get("./alertmanager.yml") != flags.get("--config.file"):
+        out.append("compose alertmanager: --config.file is not the mounted alertmanager.yml")
+    return out
+
+
 # -- Grafana -----------------------------------------------------------------------------------
 
 def exported_metrics() -> dict[str, str]:
-    """Every sample name the processes export -> the process kind (broker, shard, client):
-    counters with _total, histograms as _bucket, _sum and _count."""
+    """Every sample name the processes export -> the command that serves it (broker, shard,
+    worker: a client's metrics): counters with _total, histograms as _bucket, _sum and
+    _count."""
     client = type("Client", (), {"stats": {}, "broker_alive": True})()
-    snaps = {"broker": BrokerCore(8).metrics(0), "shard": ShardCore("s").metrics(),
-             "client": metrics.client_snapshot(client)}
+    snaps = {"broker": BrokerCore(8).metrics(0),
+             "shard": {**ShardCore("s").metrics(), **ShardMeters().snapshot(ShardShm(False))},
+             "worker": metrics.client_snapshot(client)}
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
     return {name + s: role for role, snap in snaps.items() for name, m in snap.items()
             for s in suffixes[m[0]]}
@@ -1088,12 +1147,38 @@ def test_grafana_dashboard_uses_exported_metrics(procs, prom_doc, compose_doc):
     assert "histogram_quantile(0.99" in text and "sum by (code)" in text
 
 
+def test_the_monitoring_is_an_optional_profile_with_the_same_files(compose_doc, prom_doc):
+    assert check_monitoring(compose_doc, prom_doc) == []
+
+
+@pytest.mark.parametrize("breakage", ["no profile", "cluster in a profile", "rules unmounted",
+                                      "alertmanager target", "missing file", "dependency"])
+def test_the_monitoring_check_catches_problems(compose_doc, prom_doc, breakage):
+    doc, prom = copy.deepcopy(compose_doc), copy.deepcopy(prom_doc)
+    svcs = doc["services"]
+    if breakage == "no profile":
+        del svcs["grafana"]["profiles"]
+    elif breakage == "cluster in a profile":
+        svcs["shard-0"]["profiles"] = ["monitoring"]
+    elif breakage == "rules unmounted":
+        svcs["prometheus"]["volumes"] = [v for v in svcs["prometheus"]["volumes"]
+                                         if "alerts" not in v]
+    elif breakage == "alertmanager target":
+        prom["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"] = ["am:9093"]
+    elif breakage == "missing file":
+        svcs["alertmanager"]["volumes"][0] = "./alertmanager.yaml:/etc/alertmanager/a.yml:ro"
+    else:
+        svcs["broker"]["depends_on"] = {"prometheus": {"condition": "service_started"}}
+    assert check_monitoring(doc, prom) != []
+
+
 def test_grafana_dashboard_check_catches_problems():
     exported = exported_metrics()
     assert "gradbus_broker_pushes_applied_total" in exported
     assert "gradbus_broker_pushes_applied" not in exported          # counters end in _total
     assert "gradbus_shard_apply_seconds_bucket" in exported
-    assert exported["gradbus_client_pushes_total"] == "client"
+    assert exported["gradbus_client_pushes_total"] == "worker"
+    assert exported["gradbus_shard_last_checkpoint_timestamp_seconds"] == "shard"
     ds = {"type": "prometheus", "uid": "u"}
 
     def dash(expr):

@@ -79,6 +79,40 @@ def test_two_clients_every_push_applied_once(make_cluster):
     assert {w["pushes"] for w in st["workers"]} >= {per_client}
 
 
+def test_an_acks_version_reads_the_push(make_cluster):
+    """Read your writes: a push's ACK names the version its tensor had once it was applied, and
+    ``pull(min_version=...)`` with it returns weights that include the push, while another
+    client pushes to the same tensor (every gradient is 1 and lr 1: each block's weights are
+    minus its version, so every element shows how many gradients its block holds)."""
+    cluster = make_cluster(2)
+    n = 300_000            # several blocks, over both shards
+    stop = threading.Event()
+    with gradbus.connect(cluster.url, block_bytes=256 << 10) as a, \
+            gradbus.connect(cluster.url, block_bytes=256 << 10) as b:
+        a.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        b.pull(["w"])
+
+        def other():
+            while not stop.is_set():
+                b.push({"w": np.ones(n, np.float32)}).result(30)
+
+        t = threading.Thread(target=other)
+        t.start()
+        try:
+            seen = []
+            for k in range(1, 21):
+                ack = a.push({"w": np.ones(n, np.float32)}).result(30)
+                assert set(ack) == {"kind", "msg", "ver"} and ack["ver"] >= k
+                w = a.pull(["w"], min_version=ack["ver"], timeout=30)["w"]
+                assert (-w >= ack["ver"]).all(), (ack, np.unique(w))
+                seen.append(ack["ver"])
+        finally:
+            stop.set()
+            t.join(60)
+    assert seen == sorted(seen) and len(set(seen)) == len(seen)
+    assert seen[-1] > 20, "the other client's pushes were never in between"
+
+
 def test_worker_that_never_pulls_gets_fresh_weights(make_cluster):
     cluster = make_cluster(1)
     with gradbus.connect(cluster.url) as reader, gradbus.connect(cluster.url) as writer:

@@ -43,7 +43,8 @@ SAMPLES = {
                    lambda m: (m.msg, m.created, m.existing) == (2, ("a",), ("b",))),
     wire.PUSH: ([DESC], {"msg": 3, "acks": -1, "ver": 7},
                 lambda m: (m.msg, m.acks, m.ver, m.t) == (3, wire.ACKS_ALL, 7, [DESC])),
-    wire.ACK: ([], {"msg": 4, "msgs": [4, 5, 5]}, lambda m: m.msg == 4 and m.ids == (4, 5)),
+    wire.ACK: ([], {"msg": 4, "msgs": [4, 5, 5]}, lambda m: m.msg == 4 and m.ids == (4, 5)
+               and m.version(4) is None),
     wire.FREE: ([], {"msgs": [4, "x", 6]}, lambda m: m.msgs == (4, 6)),
     wire.SNAPSHOT: ([], {"req": 5, "keys": ["w/0"], "client": b"c", "of": 2},
                     lambda m: (m.req, m.keys, m.client, m.of) == (5, ("w/0",), b"c", 2)),
@@ -146,6 +147,18 @@ def test_optional_fields_of_the_wrong_type_are_absent():
     assert m.ver is None
     m = messages.unpack(wire.pack(wire.ACK, msg=1, msgs=[1, "x"]), ALL)
     assert m.msgs is None and m.ids == (1,)
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, ver=-3), ALL)
+    assert m.version(1) is None
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, msgs=[1, 2], vers=[5]), ALL)   # not parallel
+    assert m.ids == (1, 2) and m.version(1) is None and m.version(2) is None
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, msgs=[1, 2], vers=[5, "x"]), ALL)
+    assert m.version(1) == 5 and m.version(2) is None
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, ver=9), ALL)
+    assert m.version(1) == 9 and m.version(2) is None and m.free == ()
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, free=[1, "x", 3]), ALL)
+    assert m.free == (1, 3)
+    m = messages.unpack(wire.pack(wire.ACK, msg=1, free="x"), ALL)
+    assert m.free == ()
     m = messages.unpack(wire.pack(wire.WELCOME, events=1, backend=2, partitions=3, hb=-1), ALL)
     assert m.hb is None and m.down == ()
     m = messages.unpack(wire.pack(wire.HEARTBEAT, ps=[1], seqs=[1, 2]), ALL)
@@ -552,8 +565,13 @@ def test_a_push_through_the_rig_still_applies():
 # -- fuzz: whatever the fields hold, typing a header raises WireError or returns a message ----
 scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
            | st.text(max_size=6) | st.binary(max_size=17))
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=3)
-                      | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8)
+
+
+def _nested(c):     # a named function: hypothesis reads its source to see that it recurses
+    return st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3)
+
+
+values = st.recursive(scalars, _nested, max_leaves=8)
 
 
 def _mutate(v, draw, depth: int = 0):

@@ -46,12 +46,12 @@ def test_cluster_processes_serve_metrics_that_match_the_pushes(make_cluster):
     assert b["gradbus_broker_staleness_count"] == n           # every push named its version
     assert b['gradbus_broker_shard_up{shard="shard-0"}'] == 1.0
     assert b["gradbus_broker_batch_entries_count"] >= 1
-    applied = 0.0
-    for sid in ("shard-0", "shard-1"):
-        m = wait_for(lambda sid=sid: _scrape(urls[sid]), 5, sid)
-        applied += m["gradbus_shard_pushes_applied_total"]
+    # a shard's snapshot is refreshed at its next heartbeat after it applied
+    shard_m = wait_for(lambda: (ms := [_scrape(urls[sid]) for sid in ("shard-0", "shard-1")])
+                       and sum(m["gradbus_shard_pushes_applied_total"] for m in ms) == n and ms,
+                       10, "the shards' applied pushes")
+    for m in shard_m:
         assert "gradbus_shard_apply_seconds_bucket{le=\"+Inf\"}" in m
-    assert applied == n
     # the ops command names them too
     r = subprocess.run([sys.executable, "-m", "gradbus", "status", "--json", "--broker",
                         cluster.url], capture_output=True, text=True, timeout=60)
@@ -111,11 +111,14 @@ def test_every_metric_is_in_the_operations_guide():
     from gradbus.broker.core import BrokerCore
     from gradbus.metrics import client_snapshot
     from gradbus.shards.core import ShardCore
+    from gradbus.shards.meters import ShardMeters
+    from gradbus.shards.shm_io import ShardShm
 
     class Idle:
         stats, broker_alive, _credit_held = {}, True, {}
     doc = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
-    names = [*BrokerCore(8).metrics(0), *ShardCore("s").metrics(), *client_snapshot(Idle())]
+    names = [*BrokerCore(8).metrics(0), *ShardCore("s").metrics(),
+             *ShardMeters().snapshot(ShardShm(False)), *client_snapshot(Idle())]
     assert len(names) > 30
     missing = [n for n in names if f"`{n}" not in doc]
     assert not missing, missing
@@ -139,3 +142,106 @@ def test_a_demo_worker_serves_its_metrics(make_cluster):
         proc.terminate()
         proc.wait(10)
         proc.stdout.close()
+
+
+def _value(snap: dict, name: str, **labels):
+    """The value of one series of a metrics snapshot (counters and gauges)."""
+    key = tuple(sorted((k, str(v)) for k, v in labels.items()))
+    return snap[name][2][key]
+
+
+def test_the_alerts_series_follow_shard_deaths_and_the_partition_table():
+    """shard_silent tells a shard gone silent from one that said bye; partitions without a
+    standby, and down, follow the table (the state machines, no sockets)."""
+    import numpy as np
+
+    from gradbus.codecs import wire
+
+    from .rigs import RepRig, init_msg
+    rig = RepRig(("s0", "s1"), replicas=2, heartbeat_interval=0.1, liveness=3,
+                 max_pending_bytes=3 << 20)
+    frames, _ = init_msg(1, "w", np.arange(64, dtype=np.float32))
+    rig.client(b"c", frames)
+    b = rig.broker
+    placed = sum(1 for o in b.owners if o)
+    assert placed >= 1
+
+    def snap():
+        return b.metrics(rig.now)
+    m = snap()
+    assert _value(m, "gradbus_broker_replicas") == 2
+    assert _value(m, "gradbus_broker_max_pending_bytes") == 3 << 20
+    assert _value(m, "gradbus_broker_partitions_without_standby") == 0
+    assert _value(m, "gradbus_broker_shard_silent", shard="s0") == 0
+    # s0 goes silent: declared dead after liveness, its partitions fail over to s1, alone
+    rig.dead = {"s0"}
+    for _ in range(5):
+        rig.tick(0.1)
+    m = snap()
+    assert _value(m, "gradbus_broker_shard_up", shard="s0") == 0
+    assert _value(m, "gradbus_broker_shard_silent", shard="s0") == 1
+    assert _value(m, "gradbus_broker_shard_silent", shard="s1") == 0
+    assert _value(m, "gradbus_broker_partitions_without_standby") == placed
+    assert _value(m, "gradbus_broker_partitions_down") == 0
+    # s1 says bye (stopped on purpose): dead, not silent; every placed partition is down
+    rig.deliver(b.on_backend(b"s1", [wire.pack(wire.BYE)], rig.now))
+    m = snap()
+    assert _value(m, "gradbus_broker_shard_up", shard="s1") == 0
+    assert _value(m, "gradbus_broker_shard_silent", shard="s1") == 0
+    assert _value(m, "gradbus_broker_partitions_down") == placed
+    assert _value(m, "gradbus_broker_partitions_without_standby") == 0
+    # s0 registers again: no longer silent
+    rig.dead = set()
+    rig.register("s0")
+    assert _value(snap(), "gradbus_broker_shard_silent", shard="s0") == 0
+
+
+def test_shard_checkpoint_series_before_and_after_checkpoints():
+    from gradbus.shards.meters import ShardMeters
+    from gradbus.shards.shm_io import ShardShm
+    clock = iter([100.0])
+    m = ShardMeters(60, "/data", wall=lambda: next(clock))
+    shm = ShardShm(False)
+    s = m.snapshot(shm)
+    assert _value(s, "gradbus_shard_checkpoint_interval_seconds") == 60.0
+    assert _value(s, "gradbus_shard_last_checkpoint_timestamp_seconds") == 100.0   # started
+    m.checkpoint_written(160.5)
+    m.checkpoint_failed()
+    s = m.snapshot(shm)
+    assert _value(s, "gradbus_shard_last_checkpoint_timestamp_seconds") == 160.5
+    assert _value(s, "gradbus_shard_checkpoint_failures") == 1
+    assert _value(s, "gradbus_shard_shm") == 0 and _value(s, "gradbus_shard_shm_exhausted") == 0
+    # no data directory: no periodic checkpoints, whatever the interval says
+    assert _value(ShardMeters(60, None).snapshot(shm),
+                  "gradbus_shard_checkpoint_interval_seconds") == 0.0
+
+
+def test_a_shard_process_exports_its_checkpoints_and_their_failures(make_cluster, tmp_path):
+    import os
+    import shutil
+    import time
+    data = str(tmp_path / "data")
+    before = time.time()
+    cluster = make_cluster(1, metrics_port=0, shard_args=["--data-dir", data,
+                                                          "--checkpoint-interval", "0.2"])
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(100, np.float32)})
+    url = wait_for(lambda: admin.status(cluster.url)["metrics_urls"].get("shard-0"), 15,
+                   "the shard's metrics URL")
+    m = wait_for(lambda: (m := _scrape(url)).get("gradbus_shard_checkpoints_total", 0) >= 2
+                 and m, 30, "two periodic checkpoints in the shard's metrics")
+    assert m["gradbus_shard_checkpoint_interval_seconds"] == 0.2
+    assert m["gradbus_shard_last_checkpoint_timestamp_seconds"] >= before
+    assert m["gradbus_shard_checkpoint_failures_total"] == 0
+    # the shard's checkpoint directory becomes a file: the writes fail, and are counted
+    base = os.path.join(data, "shard-0")
+    shutil.rmtree(base)
+    with open(base, "w") as f:
+        f.write("in the way")
+    try:
+        m = wait_for(lambda: (m := _scrape(url)).get("gradbus_shard_checkpoint_failures_total",
+                                                      0) >= 1 and m, 30, "a failed checkpoint")
+        stuck = m["gradbus_shard_last_checkpoint_timestamp_seconds"]
+        assert _scrape(url)["gradbus_shard_last_checkpoint_timestamp_seconds"] == stuck
+    finally:
+        os.remove(base)

@@ -276,23 +276,6 @@ for s in segs:
 """
 
 
-def test_a_reader_unmaps_the_segments_that_were_removed(shm_dir):
-    """A swept ring's memory is freed only when the last mapping goes: readers let go of the
-    segments whose file is gone, and keep the others."""
-    kept, swept = (shm.Segment.create(CLUSTER, "w", 4096) for _ in range(2))
-    mapper = shm.Mapper()
-    try:
-        for seg in (kept, swept):
-            assert bytes(mapper.view([seg.name, shm.HEADER], 8)) == bytes(8)
-        swept.unlink()
-        assert mapper.forget_removed() == 1 and list(mapper.segs) == [kept.name]
-        assert mapper.forget_removed() == 0
-    finally:
-        mapper.close()
-        kept.close()
-        swept.close()
-
-
 def test_sweep_removes_a_dead_owners_segments_only(shm_dir):
     dead = spawn_code(SEGMENT_OWNER)
     live = spawn_code(SEGMENT_OWNER)
@@ -438,3 +421,102 @@ def test_boards_stamps_start_apart_so_reused_bytes_do_not_pass_for_a_given_up_bl
         reader.close()
         one.close()
         two.close()
+
+
+# ----------------------------------------------------------------------------- live reads
+def test_a_live_ref_reads_the_newest_version_with_its_version_and_nothing_once_given_up():
+    board = shm.Board(CLUSTER, segment_bytes=1 << 20)
+    reader = shm.Mapper()
+    try:
+        assert board.live_ref("w/0") is None            # never written
+        a = np.arange(1000, dtype=np.float32)
+        board.write("w/0", a, version=3, seq=7)
+        ref = board.live_ref("w/0")
+        out = np.empty(1000, np.float32)
+        stamp, version = reader.read_live(ref, memoryview(out).cast("B"))
+        assert version == 3 and np.array_equal(out, a)
+        assert reader.live_version(ref) == (stamp, 3)
+        assert board.holds("w/0", 3) and not board.holds("w/0", 4)
+        for k in range(4, 9):                            # the newest of the two versions
+            board.write("w/0", a * k, version=k, seq=k)
+            got = reader.read_live(ref, memoryview(out).cast("B"))
+            assert got[1] == k and got[0] > stamp and np.array_equal(out, a * k)
+            stamp = got[0]
+        assert reader.read_live(ref, memoryview(out[:10]).cast("B")) is None   # other size
+        board.forget(["w/0"])                            # its partition moved: given up
+        assert reader.read_live(ref, memoryview(out).cast("B")) is None
+        assert reader.live_version(ref) is None
+        with pytest.raises(WireError):
+            reader.live_version([ref[0], 3, ref[2]])     # no slot
+    finally:
+        reader.close()
+        board.close()
+
+
+LIVE_WRITER = """
+import json, select, sys
+import numpy as np
+from gradbus.codecs import shm
+n = int(sys.argv[2])
+board = shm.Board(sys.argv[1], segment_bytes=4 << 20)
+k = 0
+def publish():      # version k: every byte k mod 251
+    global k
+    k += 1
+    board.write("k", np.full(n, k % 251, np.uint8), version=k, seq=k)
+publish()
+print(json.dumps(board.live_ref("k")), flush=True)
+i = 0
+while True:
+    i += 1
+    if i % 8 == 0 and select.select([sys.stdin], [], [], 0)[0]:
+        break
+    publish()
+board.close()
+"""
+
+
+def test_live_reads_against_a_writer_process_are_whole_and_never_go_back():
+    """A writer process republishes one block as fast as it can (version k all k mod 251);
+    every live read is one whole version, and versions read never decrease."""
+    n = 256 << 10
+    proc = spawn_code(LIVE_WRITER, CLUSTER, n)
+    reader = shm.Mapper()
+    try:
+        ref = json.loads(proc.stdout.readline())
+        out = np.empty(n, np.uint8)
+        last, reads, failed = 0, 0, 0
+        deadline = time.monotonic() + 30
+        while reads < 300 and time.monotonic() < deadline:
+            got = reader.read_live(ref, memoryview(out))
+            if got is None:
+                failed += 1
+                continue
+            _, version = got
+            assert out.min() == out.max() == version % 251, (version, out.min(), out.max())
+            assert version >= last
+            last = version
+            reads += 1
+        assert reads >= 300 and last > 1, (reads, failed, last)
+    finally:
+        reader.close()
+        assert end_code(proc) == 0
+
+
+def test_a_reader_unmaps_segments_that_are_gone_once_unused_for_long_enough():
+    live, dead = shm.Ring(CLUSTER, 1 << 20), shm.Ring(CLUSTER, 1 << 20)
+    reader = shm.Mapper()
+    try:
+        refs = [r.place(1, [b"x" * 64])[0] for r in (live, dead)]
+        for ref in refs:
+            assert bytes(reader.view(ref, 64)) == b"x" * 64
+        dead.close()                          # its owner removed it: gone from the directory
+        assert reader.prune(idle=3600) == 0   # used just now: kept (a batch may still name it)
+        assert reader.prune(idle=0) == 1
+        assert set(reader.segs) == {refs[0][0]} and set(reader.used) == {refs[0][0]}
+        assert bytes(reader.view(refs[0], 64)) == b"x" * 64
+        assert reader.prune(idle=0) == 0      # a segment still there is never unmapped
+    finally:
+        reader.close()
+        live.close()
+        dead.close()

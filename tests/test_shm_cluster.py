@@ -11,12 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import urllib.request
 
 import numpy as np
 import pytest
 
 import gradbus
-from gradbus import admin
+from gradbus import admin, metrics
 from gradbus.broker import log as ulog
 from gradbus.cluster import LocalCluster
 from gradbus.codecs import shm
@@ -55,6 +57,11 @@ def _push_n(client, grads: dict, n: int, acks=1) -> None:
         assert f.result(30)["kind"] == "ack"
 
 
+def _scrape(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return metrics.parse(r.read().decode())
+
+
 def _freed(url: str, n: int) -> None:
     """Wait until the broker freed the ring slots of exactly ``n`` pushes."""
     wait_for(lambda: _counters(url).get("shm_freed", 0) >= n, 20, f"{n} pushes freed")
@@ -85,10 +92,13 @@ def test_known_answer_through_rings_and_boards(make_cluster, shm_dir):
         _freed(cluster.url, n)
         wait_for(lambda: not c.shm.ring.held, 10, "the client to hear every FREE")
         assert c.stats["shm_freed"] == n and all(a.idle() for a in c.shm.ring.arenas)
+        assert c.stats["free_messages"] == 0       # each push's slots freed in its ACK
         cnt = _counters(cluster.url)
         assert cnt["pushes_applied"] == n and cnt.get("shm_inlined", 0) == 0
-        # the updates it followed referenced the shards' boards, copied out here
-        assert c.stats["updates_received"] > 0
+        # it read the weights from the shards' boards, the newest each time, and needed no
+        # update for that
+        assert c.cache.stats["live_reads"] > 0 and c.stats["updates_received"] == 0
+        assert all(part.live for part in c.cache.parts.values())
         assert any(shm.owned(s)[1] == "s" for s in c.shm.mapper.segs)
     assert "w" not in _roles(tag)          # a closed client's ring is gone at once
     cluster.stop()
@@ -97,8 +107,8 @@ def test_known_answer_through_rings_and_boards(make_cluster, shm_dir):
 
 def test_a_client_without_shm_and_one_with_both_follow_exact_weights(make_cluster, shm_dir):
     """The client without shared memory pushes frames and reads the p topics, whose updates
-    the broker copies out of the boards; the other pushes through its ring and reads the r
-    topics."""
+    the broker copies out of the boards; the other pushes through its ring and reads the
+    boards themselves, with no update."""
     cluster = make_cluster(2)
     w0 = _w0(20_000)
     g_frames, g_ring = np.full(w0.shape, G, np.float32), np.full(w0.shape, 2 * G, np.float32)
@@ -118,7 +128,8 @@ def test_a_client_without_shm_and_one_with_both_follow_exact_weights(make_cluste
         for c in (a, b):
             got = c.pull(["w"], min_version=2 * n, timeout=30)["w"]
             assert np.array_equal(got, expect)
-            assert c.stats["updates_received"] > 0
+        assert a.stats["updates_received"] > 0
+        assert b.stats["updates_received"] == 0 and b.cache.stats["live_reads"] > 0
         _freed(cluster.url, n)                   # the ring client's pushes only
         assert a.stats["shm_freed"] == 0 and b.stats["shm_freed"] == n
         assert _counters(cluster.url)["pushes_applied"] == 2 * n
@@ -448,7 +459,7 @@ def test_a_full_shm_directory_falls_back_to_frames_with_exact_answers(make_clust
     do not, so weights go as frames; a push too large for the ring's one segment goes as
     frames (the ring cannot grow), the small ones before and after it through the ring."""
     d = small_tmpfs("12m")
-    cluster = make_cluster(2)
+    cluster = make_cluster(2, metrics_port=0)
     small, large = _w0(1000), _w0(9 << 18)          # 4 KB, and 9 MiB
     with gradbus.connect(cluster.url) as c:
         assert c.shm is not None and set(_roles(c.shm.cluster)) == {"b", "w"}   # no board
@@ -464,8 +475,41 @@ def test_a_full_shm_directory_falls_back_to_frames_with_exact_answers(make_clust
         assert np.array_equal(w["b"], large - LR * G)
         assert c.shm.ring.stats["shm_ring_full"] == 1 and c.shm.ring.failed is not None
         _freed(cluster.url, 2)
+        # what the alerts read: the push that went as frames, /dev/shm refused segments
+        cm = metrics.client_snapshot(c)
+        assert cm["gradbus_client_shm_fallbacks"][2][()] == 1
+        assert cm["gradbus_client_shm_exhausted"][2][()] == 1
+        assert cm["gradbus_client_shm_freed"][2][()] == 2
+    urls = wait_for(lambda: len(u := admin.status(cluster.url)["metrics_urls"]) == 3 and u, 15,
+                    "every process's metrics URL")
+    for sid in ("shard-0", "shard-1"):      # no room for a board: weights as frames
+        m = wait_for(lambda sid=sid: (m := _scrape(urls[sid])).get(
+            "gradbus_shard_shm_exhausted") == 1 and m, 15, f"{sid}'s board refused")
+        assert m["gradbus_shard_shm"] == 0
+    b = wait_for(lambda: (b := _scrape(urls["broker"])).get("gradbus_broker_shm_freed_total")
+                 == 2 and b, 15, "the broker's freed pushes in its metrics")
+    assert b["gradbus_broker_shm"] == 1
     cluster.stop()
     assert gradbus_segments(d) == []
+
+
+def test_a_relay_ring_refused_by_a_full_shm_directory_sends_frames_and_says_so(make_cluster,
+                                                                              small_tmpfs):
+    """12 MiB: no room for a 13 MiB relay segment, so pushes from a client without shared
+    memory reach the shard as frames, exactly, and the broker counts them as fallbacks."""
+    small_tmpfs("12m")
+    cluster = make_cluster(1, metrics_port=0)
+    w0 = _w0(13 << 18)                                    # 13 MiB
+    with gradbus.connect(cluster.url, shm=False) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        c.pull(["w"])
+        _push_n(c, {"w": np.full(w0.shape, G, np.float32)}, 1)
+        assert np.array_equal(c.pull(["w"], min_version=1, timeout=30)["w"], w0 - LR * G)
+    url = admin.status(cluster.url)["metrics_url"]
+    b = wait_for(lambda: (b := _scrape(url)).get("gradbus_broker_shm_exhausted") == 1 and b,
+                 15, "the broker's relay ring refused")
+    assert b["gradbus_broker_shm_fallbacks_total"] >= 1
+    assert b["gradbus_broker_shm_relayed_total"] == 0
 
 
 # ----------------------------------------------------------------------------- a restarted broker
@@ -509,4 +553,31 @@ def test_a_new_broker_keeps_dead_processes_rings_until_every_shard_registered(sh
             assert _counters(cluster.url)["shm_swept"] >= 3
     finally:
         cluster.stop()
+    assert gradbus_segments(shm_dir) == []
+
+
+def test_a_pull_waiting_on_a_live_partition_follows_it_only_while_it_waits(make_cluster,
+                                                                          shm_dir):
+    """A reader of the boards follows no updates; a pull that waits for a version another
+    client's pushes bring follows the partition's updates meanwhile (woken by them), and not
+    after."""
+    cluster = make_cluster(1)
+    w0 = _w0(4000)
+    n = 40
+    with gradbus.connect(cluster.url, block_bytes=4096) as a, \
+            gradbus.connect(cluster.url, block_bytes=4096) as b:
+        a.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        b.pull(["w"])
+        assert all(p.live for p in b.cache.parts.values()) and not b.state.followed
+        got = {}
+        t = threading.Thread(target=lambda: got.update(b.pull(["w"], min_version=n,
+                                                              timeout=60)))
+        t.start()
+        _push_n(a, {"w": np.full(w0.shape, G, np.float32)}, n)
+        t.join(60)
+        assert np.array_equal(got["w"], w0 - n * LR * G)
+        assert b.stats["live_wakeups"] > 0 and b.stats["updates_received"] == 0
+        wait_for(lambda: not b.state.followed and not b.state.watched, 10,
+                 "the reader to stop following")
+    cluster.stop()
     assert gradbus_segments(shm_dir) == []

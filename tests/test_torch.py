@@ -142,6 +142,28 @@ def test_lossy_codec_with_error_feedback(make_cluster):
         assert applied.sum() >= 0.7 * n_push * G * p.numel(), n
 
 
+def test_consistency_is_set_at_creation(make_cluster):
+    """ssp:0 through the adapter: a step computed on weights one push old is refused with
+    StaleError (its Future, acks=1), and nothing of it is applied."""
+    cluster = make_cluster(1, processes=False)
+    first, second = torch.nn.Linear(3, 1), torch.nn.Linear(3, 1)
+    w0 = exact_init(first)
+    with gradbus.connect(cluster.url) as a, gradbus.connect(cluster.url) as b:
+        ps_a = ParameterServerModule(first, a, optimizer=gradbus.SGD(lr=LR), acks=1,
+                                     consistency="ssp:0")
+        ps_b = ParameterServerModule(second, b, acks=1)     # exists: keeps ssp:0
+        assert ps_a.version == ps_b.version == 0
+        constant_grad_step(ps_a, G).result(30)               # version 0 -> 1
+        fut = constant_grad_step(ps_b, G)                    # computed on version 0
+        with pytest.raises(gradbus.StaleError):
+            fut.result(30)
+        assert ps_a.sync(min_version=1) == 1
+        refused = b.status()["workers"]
+    for n, p in first.named_parameters():
+        assert np.array_equal(p.detach().numpy(), w0[n] - LR * G), n
+    assert sum(w.get("errors", {}).get("STALE", 0) for w in refused) == 1
+
+
 def test_step_without_gradients_only_loads(make_cluster):
     cluster = make_cluster(1, processes=False)
     model = torch.nn.Linear(3, 1)

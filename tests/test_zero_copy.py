@@ -17,7 +17,7 @@ import pytest
 import gradbus
 from gradbus.codecs import shm
 from gradbus.codecs.partition import TensorLayout, partition_of
-from gradbus.workers.cache import BoardBlock, WeightCache
+from gradbus.workers.cache import BoardBlock, LiveBlock, WeightCache
 
 from .rigs import gradbus_segments, wait_for
 
@@ -227,6 +227,115 @@ def test_a_pull_reads_board_blocks_once_into_the_array_it_returns():
         board.close()
 
 
+def test_a_live_partition_reads_the_board_needs_no_update_and_resyncs_on_an_epoch_change():
+    board = shm.Board("00c0ffee", segment_bytes=1 << 20)
+    mapper = shm.Mapper()
+    P, block = 4, 2
+    cache = WeightCache(P)
+    layout = TensorLayout("w", "float32", (8,), block)
+    cache.track(layout)
+    keys = layout.block_keys()
+
+    def publish(value: float, version: int) -> None:
+        for k in keys:
+            board.write(k, np.full(block, value, np.float32), version=version, seq=version)
+
+    try:
+        publish(1.0, 1)
+        parts = {partition_of(k, P) for k in keys}
+        cache.on_snapshot({p: 1 for p in parts},
+                          [(k, LiveBlock(mapper, board.live_ref(k), np.float32, block), 1, None)
+                           for k in keys])
+        cache.validate_state()
+        assert all(cache.parts[p].live for p in parts) and sorted(cache.newly_live) == \
+            sorted(parts)
+        first = cache.tensor("w")
+        assert np.array_equal(first, np.full(8, 1.0, np.float32)) and cache.version("w") == 1
+        reads = cache.stats["live_reads"]
+        assert cache.tensor("w") is first and cache.stats["live_reads"] == reads   # unchanged
+        publish(2.0, 2)                 # no update: the next read takes the newest anyway
+        second = cache.tensor("w")
+        assert np.array_equal(second, np.full(8, 2.0, np.float32)) and cache.version("w") == 2
+        assert np.array_equal(first, np.full(8, 1.0, np.float32))     # a read never changes
+        out = np.empty(8, np.float32)
+        publish(3.0, 3)
+        assert cache.read_into("w", out) and np.array_equal(out, np.full(8, 3.0, np.float32))
+        # updates and heartbeats ahead of a live partition change nothing
+        p0 = next(iter(parts))
+        assert not cache.on_update(p0, 99, [(keys[0], np.zeros(block, np.float32), 99, None)])
+        assert cache.on_heartbeat([p0], [99]) == [] and cache.version("w") == 3
+        # the first TABLE says nothing of what the snapshot saw: every live one is asked again
+        epochs = [1] * P
+        assert sorted(cache.on_table(epochs)) == sorted(parts)
+        cache.on_snapshot({p: 3 for p in parts},
+                          [(k, LiveBlock(mapper, board.live_ref(k), np.float32, block), 3, None)
+                           for k in keys])
+        assert cache.on_table(epochs) == []          # the same epochs: nothing moved
+        epochs[p0] += 1
+        assert cache.on_table(epochs) == [p0] and cache.parts[p0].resync
+        cache.validate_state()
+        board.forget(keys)              # given up: nothing to read, no version
+        assert cache.tensor("w") is None and cache.version("w") == -1
+        assert cache.unreadable_live("w") and sorted(cache.stale_keys("w")) == sorted(keys)
+    finally:
+        mapper.close()
+        board.close()
+
+
+def test_a_live_partition_finds_its_board_again_when_its_shard_is_a_new_process():
+    """A restarted shard keeps its name and epoch but writes a new board: the TABLE that shows
+    its partitions back up, another primary, or an UPDATE newer than the board, each sends the
+    live partition back to be snapshot; the same table again, or an update the board already
+    holds, does not."""
+    old, new = (shm.Board("00c0ffee", segment_bytes=1 << 20) for _ in range(2))
+    mapper = shm.Mapper()
+    P, block = 4, 2
+    cache = WeightCache(P)
+    layout = TensorLayout("w", "float32", (8,), block)
+    cache.track(layout)
+    keys = layout.block_keys()
+    parts = sorted({partition_of(k, P) for k in keys})
+
+    def go_live(board, version):
+        for k in keys:
+            board.write(k, np.full(block, float(version), np.float32), version=version,
+                        seq=version)
+        cache.on_snapshot({p: version for p in parts},
+                          [(k, LiveBlock(mapper, board.live_ref(k), np.float32, block), version,
+                            None) for k in keys])
+
+    try:
+        go_live(old, 5)
+        owners = ["s0"] * P
+        epochs = [1] * P
+        assert sorted(cache.on_table(epochs, owners, set())) == parts      # the first TABLE
+        go_live(old, 5)
+        assert cache.on_table(epochs, owners, set()) == []
+        p0 = parts[0]
+        # its shard dies: down, nothing to snapshot from yet
+        assert cache.on_table(epochs, owners, {p0}) == [] and not cache.parts[p0].resync
+        # back up under the same name and epoch: its board is another one
+        assert cache.on_table(epochs, owners, set()) == [p0] and cache.parts[p0].resync
+        go_live(new, 6)
+        assert cache.on_table(epochs, owners, set()) == [] and cache.version("w") == 6
+        # another primary, the same epoch (a restarted broker adopted the other copy)
+        owners[p0] = "s1"
+        assert cache.on_table(epochs, owners, set()) == [p0]
+        go_live(new, 6)
+        # an update the board already holds changes nothing; one ahead of it (the shard
+        # restarted unseen, the client reading the dead board) resyncs
+        key0 = next(k for k in keys if partition_of(k, P) == p0)
+        assert not cache.live_behind(p0, [(key0, 6)]) and not cache.parts[p0].resync
+        go_live(old, 6)     # reading the old board again, which stays at 6
+        assert cache.live_behind(p0, [(key0, 7)]) and cache.parts[p0].resync
+        assert not cache.live_behind(p0, [(key0, 8)])       # asked once, not again
+        cache.validate_state()
+    finally:
+        mapper.close()
+        old.close()
+        new.close()
+
+
 def test_a_block_rewritten_before_the_read_waits_for_its_update():
     board = shm.Board("00c0ffee", segment_bytes=1 << 20)
     cache, publish, apply, mapper = _board_cache(board)
@@ -252,8 +361,10 @@ def test_a_block_rewritten_before_the_read_waits_for_its_update():
 
 
 def test_a_pull_whose_board_block_never_gets_its_update_snapshots_it_again(make_cluster):
-    """A block whose board bytes were rewritten (here: a ref forged to a stamp no longer
-    there) and whose newer update never comes is snapshot again after REWRITTEN_WAIT."""
+    """A block read from a board that has no version of it any more (here: a live ref forged
+    to a slot never written) is snapshot again at once: no update would bring it; and a
+    block held by an update's ref whose bytes were rewritten and whose newer update never
+    comes is snapshot again after REWRITTEN_WAIT."""
     cluster = make_cluster(1)
     w0 = (np.arange(6000) % 31).astype(np.float32)
     with gradbus.connect(cluster.url, block_bytes=BLOCK) as c:
@@ -263,16 +374,28 @@ def test_a_pull_whose_board_block_never_gets_its_update_snapshots_it_again(make_
         expect = w0 - LR
         assert np.array_equal(c.pull(["w"], min_version=1, timeout=30)["w"], expect)
         with c._cond:
-            key, blk = next((k, b) for k, b in c.cache.blocks.items()
-                            if type(b.value) is BoardBlock)
+            key, blk = next(iter(c.cache.blocks.items()))
             v = blk.value
-            blk.value = BoardBlock(v.mapper, [v.ref[0], v.ref[1], v.ref[2] + 1000], v.dtype,
-                                   v.size)
+            assert type(v) is LiveBlock
+            seg = v.mapper.segment(v.ref[0])
+            blk.value = LiveBlock(v.mapper, [v.ref[0], seg.size - 2 * (v.ref[2] + shm.ALIGN),
+                                             v.ref[2]], v.dtype, v.size)    # nothing there
+            c.cache.joined.clear()
+        got = c.pull(["w"], timeout=30)["w"]
+        assert np.array_equal(got, expect)
+        assert c.stats["board_refreshes"] == 0
+        assert type(c.cache.blocks[key].value) is LiveBlock and \
+            c.cache.blocks[key].value.ref == v.ref         # found where it is again
+        with c._cond:
+            blk = c.cache.blocks[key]
+            c.cache.parts[partition_of(key, c.partitions)].live = False
+            blk.value = BoardBlock(v.mapper, [v.ref[0], v.ref[1] + shm.ALIGN, 12345], v.dtype,
+                                   v.size)                 # an update's ref, long rewritten
             c.cache.joined.clear()
         got = c.pull(["w"], timeout=30)["w"]
         assert np.array_equal(got, expect)
         assert c.stats["board_refreshes"] == 1
-        assert type(c.cache.blocks[key].value) is np.ndarray      # the snapshot's bytes
+        assert type(c.cache.blocks[key].value) is LiveBlock       # the snapshot's ref
         # a read that found a block rewritten, then one that succeeded: a later rewrite waits
         # REWRITTEN_WAIT afresh, not from the first
         with c._cond:
@@ -334,9 +457,9 @@ def test_a_pull_into_the_callers_arrays_copies_there_once(make_cluster, shm_on):
 
 
 def test_weights_held_as_board_references_outlive_their_shard(make_cluster, shm_dir):
-    """The cache holds a dead shard's last weights as references into its board: the board is
-    mapped when an update names it, so once the shard is SIGKILLed and its board swept, a
-    pull still returns those weights (as it does for weights held as bytes)."""
+    """The cache reads a dead shard's last weights from its board: the board is mapped when a
+    snapshot names it, so once the shard is SIGKILLed and its board swept, a pull still
+    returns those weights (as it does for weights held as bytes)."""
     cluster = make_cluster(1)
     w0 = (np.arange(5000) % 13).astype(np.float32)
     with gradbus.connect(cluster.url, block_bytes=BLOCK) as c:
@@ -344,8 +467,8 @@ def test_weights_held_as_board_references_outlive_their_shard(make_cluster, shm_
         c.pull(["w"])
         for _ in range(3):
             c.push({"w": np.ones(5000, np.float32)}).result(30)
-        wait_for(lambda: c.version("w") == 3, 20, "the updates in the cache")
-        assert all(type(b.value) is BoardBlock for b in c.cache.blocks.values())
+        wait_for(lambda: c.version("w") == 3, 20, "the weights at version 3")
+        assert all(type(b.value) is LiveBlock for b in c.cache.blocks.values())
         pid = cluster.shard_procs["shard-0"].pid
         boards = {n for n in os.listdir(shm_dir) if f"-s{pid}-" in n}
         assert boards

@@ -7,11 +7,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class Send:
-    """Send ``frames`` to the broker on the DEALER."""
+    """Send ``frames`` to the broker (over the local link where there is one, else the
+    DEALER)."""
     frames: list
 
 
 @dataclass(frozen=True, slots=True)
 class Subscribe:
     """Subscribe the events socket to ``topic``."""
+    topic: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Unsubscribe:
+    """Unsubscribe the events socket from ``topic``."""
     topic: bytes

@@ -1,9 +1,17 @@
-"""The agent thread: the only one that touches the client's DEALER and SUB sockets.
+"""The agent thread: the only one that touches the client's DEALER and SUB sockets, and the only
+reader of its local link.
 
 The user's threads hand it commands through a queue and an empty wake-up frame on an inproc
 PAIR (the zguide's Clone-client shape); it feeds them, the broker's messages and the passing of
 time to its :class:`~gradbus.workers.agent_state.AgentState` and carries out the actions that
 come back. Everything it decides lives in the state; this module only moves bytes.
+
+On the broker's host the client talks to the broker over a local link
+(:mod:`gradbus.codecs.link`) instead of the DEALER: a user's thread writes its pushes on the link
+itself (:meth:`Agent.direct`) after queueing their bookkeeping for the agent without waking it
+(:meth:`Agent.note`), so a push costs no hand-over between threads; the agent reads every
+answer. A link that closes (the broker went away) is not made again: the agent sends whatever
+was unanswered once more on the DEALER, and goes on there.
 """
 from __future__ import annotations
 
@@ -13,9 +21,10 @@ import threading
 
 import zmq
 
-from gradbus.codecs import net, security, wire
+from gradbus.codecs import link, net, security, wire
 from gradbus.codecs.errors import ClosedError
 
+from .actions import Subscribe
 from .agent_state import AgentState, Send
 
 log = logging.getLogger("gradbus.client")
@@ -40,6 +49,7 @@ class Agent(threading.Thread):
         self.pipe_out.linger = 0
         self.pipe_out.connect(addr)
         self.dealer = self.sub = self.watch = None
+        self.link: link.Link | None = None
         self.error: BaseException | None = None
 
     # called from user threads, under ``lock``
@@ -52,7 +62,19 @@ class Agent(threading.Thread):
             self.wake_pending = True
             self.pipe_out.send(b"", zmq.NOBLOCK)
 
-    def open(self, url: str, events_url: str, curve, curve_configure) -> None:
+    def note(self, cmd) -> None:
+        """Queue ``cmd`` without waking the agent (its answer will): a push a user's thread
+        writes on the link itself, noted first so that its answer finds it. Under ``lock``."""
+        self.cmds.append(cmd)
+
+    def direct(self, frames: list) -> bool:
+        """Write ``frames`` on the local link from the calling thread; False when there is
+        none (or it closed, or its queue is full): hand them to the agent instead."""
+        lnk = self.link
+        return lnk is not None and lnk.send(frames)
+
+    def open(self, url: str, events_url: str, curve, curve_configure,
+             link_name: str | None = None) -> None:
         self.dealer = self.ctx.socket(zmq.DEALER)
         net.tune(self.dealer)
         self.dealer.setsockopt(zmq.ROUTING_ID, self.client_id)
@@ -73,7 +95,9 @@ class Agent(threading.Thread):
         self.sub.connect(events_url)
         self.sub.subscribe(wire.TOPIC_TABLE)
         self.sub.subscribe(wire.TOPIC_HEARTBEAT)
-        self.dealer.send(self.state._hb)  # registers this worker with the broker
+        if link_name and curve is None:
+            self.link = link.connect(link_name, link.CLIENT, self.client_id)
+        self._send([self.state._hb])     # registers this worker with the broker
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -82,9 +106,21 @@ class Agent(threading.Thread):
         if self.watch is not None:
             poller.register(self.watch.mon, zmq.POLLIN)
         state, cmds = self.state, self.cmds
+        link_flags = 0
         try:
             while not state.stopped:
-                ready = dict(poller.poll(state.poll_ms))
+                lnk = self.link
+                timeout = state.poll_ms
+                if lnk is not None:
+                    flags = zmq.POLLIN | (zmq.POLLOUT if lnk.pending else 0)
+                    if flags != link_flags:
+                        poller.register(lnk.fd, flags)
+                        link_flags = flags
+                    if lnk.buffered:
+                        timeout = 0
+                elif link_flags:
+                    link_flags = 0
+                ready = dict(poller.poll(timeout))
                 if self.watch is not None and self.watch.mon in ready:
                     self.watch.check()
                 if self.pipe_in in ready:
@@ -97,6 +133,12 @@ class Agent(threading.Thread):
                 while cmds:
                     state.command(cmds.popleft())
                 self._act()
+                if lnk is not None:
+                    ev = ready.get(lnk.fd, 0)
+                    if ev & zmq.POLLOUT:
+                        lnk.flush()
+                    if ev & zmq.POLLIN or lnk.buffered or lnk.closed:
+                        self._drain_link(lnk, poller)
                 if self.dealer in ready:
                     state.heard()
                     self._drain(self.dealer, state.reply)
@@ -120,8 +162,14 @@ class Agent(threading.Thread):
             queued = list(self.cmds)
             self.cmds.clear()
         self.state.fail_all(err, queued)
+        bye = wire.pack(wire.BYE)
+        if self.link is not None:
+            self.link.send([bye])
+            self.link.flush()
+            self.link.close()
+            self.link = None
         try:
-            self.dealer.send(wire.pack(wire.BYE), zmq.NOBLOCK)
+            self.dealer.send(bye, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
         if self.watch is not None:
@@ -129,12 +177,41 @@ class Agent(threading.Thread):
         for s in (self.dealer, self.sub, self.pipe_in):
             s.close(linger=0)
 
+    def _send(self, frames: list) -> None:
+        lnk = self.link
+        if lnk is None or not lnk.send(frames):
+            self.dealer.send_multipart(frames, copy=False)
+
     def _act(self) -> None:
         for a in self.state.take():
-            if type(a) is Send:
-                self.dealer.send_multipart(a.frames, copy=False)
-            else:
+            t = type(a)
+            if t is Send:
+                self._send(a.frames)
+            elif t is Subscribe:
                 self.sub.subscribe(a.topic)
+            else:
+                self.sub.unsubscribe(a.topic)
+
+    def _drain_link(self, lnk: link.Link, poller: zmq.Poller) -> None:
+        state, cmds = self.state, self.cmds
+        try:
+            for _ in range(DRAIN_BATCH):
+                frames = lnk.recv()
+                if frames is None:
+                    break
+                # a push a user's thread wrote on the link was noted before it was written:
+                # its answer is read only once the note is taken (else no Future waits for it)
+                while cmds:
+                    state.command(cmds.popleft())
+                state.heard()
+                state.reply(frames)
+        except link.LinkClosed:
+            log.warning("the local link to the broker closed; going on over TCP")
+            self.link = None
+            poller.unregister(lnk.fd)
+            lnk.close()
+            state.link_lost()
+        self._act()
 
     def _drain(self, sock, handler) -> None:
         for _ in range(DRAIN_BATCH):

@@ -35,11 +35,13 @@ import threading
 import time
 from concurrent.futures import Future
 
-from gradbus.codecs import messages, timing, wire
+from gradbus.codecs import hops, messages, timing, wire
+from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError, error_from
 
-from .actions import Send, Subscribe
-from .commands import ReadRows, Refresh, Request, SendMessage, Stop, Track
+from .actions import Send, Subscribe, Unsubscribe
+from .cache import LiveBlock
+from .commands import Forward, ReadRows, Refresh, Request, SendMessage, Stop, Track, Watch
 from .reads_state import ReadState
 from .resend import ResendTimer
 
@@ -84,6 +86,8 @@ class AgentState:
         self.out: list = []
         self.shm = shm                              # a ClientShm, or None: frames only
         self.topic = wire.topic_partition_shm if shm is not None else wire.topic_partition
+        self.followed: set[int] = set()             # partitions whose updates we subscribe to
+        self.watched: dict[int, int] = {}           # live partition -> pulls waiting on it
         self._hb = wire.pack(wire.HEARTBEAT, **({"shm": True} if shm is not None else {}))
         if shm is not None:     # the broker learns at once that replies may reference shards'
             self.last_hb = now - self.hb_every      # shared memory (the first tick says so)
@@ -97,10 +101,15 @@ class AgentState:
     def command(self, cmd) -> None:
         t = type(cmd)
         if t is SendMessage:
+            if hops.ON and not cmd.sent:
+                hops.stamp("agent_send", cmd.msg)
             if cmd.future is not None:
                 self.msg_futures[cmd.msg] = cmd.future
             if self.resend is not None:
                 self.resend.sent(cmd.msg, cmd.frames, self.clock())
+            if not cmd.sent:
+                self.out.append(Send(cmd.frames))
+        elif t is Forward:
             self.out.append(Send(cmd.frames))
         elif t is Request:
             self.req_futures[cmd.req] = cmd.future
@@ -114,7 +123,8 @@ class AgentState:
             keys = []
             for layout in cmd.layouts:
                 new_parts, ks = self.cache.track(layout)
-                self.out.extend(Subscribe(self.topic(p)) for p in new_parts)
+                for p in new_parts:
+                    self._follow(p, True)
                 keys += ks
             if keys:
                 self._snapshot(keys, cmd.future)
@@ -125,10 +135,47 @@ class AgentState:
                 parts = self.cache.resync(cmd.keys)
             for p in parts:
                 self._snapshot(self.cache.resync_keys(p), None)
+        elif t is Watch:
+            for p in cmd.parts:
+                n = self.watched.get(p, 0) + (1 if cmd.on else -1)
+                if n > 0:
+                    self.watched[p] = n
+                else:
+                    self.watched.pop(p, None)
+                part = self.cache.parts.get(p)
+                self._follow(p, n > 0 or part is None or not part.live)
+            if cmd.on:      # a change that came before the subscription took hold is seen
+                with self.cond:
+                    self.cond.notify_all()
         elif t is Stop:
             self.stopped = True
         else:
             raise TypeError(f"not a command: {cmd!r}")
+
+    def _follow(self, p: int, on: bool) -> None:
+        """Subscribe to partition ``p``'s updates, or not (live partitions are read from the
+        board and followed only while a pull waits on them)."""
+        if on and p not in self.followed:
+            self.followed.add(p)
+            self.out.append(Subscribe(self.topic(p)))
+        elif not on and p in self.followed:
+            self.followed.discard(p)
+            self.out.append(Unsubscribe(self.topic(p)))
+
+    def went_live(self) -> None:
+        """Partitions a snapshot made live: their updates are no longer followed."""
+        for p in self.cache.newly_live:
+            if p not in self.watched:
+                self._follow(p, False)
+        self.cache.newly_live.clear()
+
+    def link_lost(self) -> None:
+        """The local link to the broker closed: what it may have carried unanswered goes
+        again, now, on the DEALER (the broker's duplicate window applies each once)."""
+        if self.resend is not None:
+            for frames in self.resend.all_now(self.clock()):
+                self.stats["resends"] += 1
+                self.out.append(Send(frames))
 
     def fail_all(self, err: BaseException, queued=()) -> None:
         """The agent stops: every queued command's Future and every Future waiting on the
@@ -187,8 +234,12 @@ class AgentState:
         m = messages.unpack(frames[0], wire.CLIENT_KINDS)
         kind = m.kind
         if kind in (wire.ACK, wire.INIT_OK) or (kind == wire.ERROR and m.msg is not None):
+            if kind == wire.ACK and m.free and self.shm is not None:
+                # the slots first: a push waiting for this ACK's credit finds room in the ring
+                self.stats["shm_freed"] += self.shm.free(m.free)
             self._settle(m)
         elif kind == wire.FREE:
+            self.stats["free_messages"] += 1
             if self.shm is not None:
                 self._free(m.msgs)
         elif kind == wire.SNAPSHOT_REPLY:
@@ -230,7 +281,11 @@ class AgentState:
         credit of every push it settles returns at once, after their Futures are resolved."""
         kind = h.kind
         ids = h.ids if kind == wire.ACK else (h.msg,)
+        if hops.ON:
+            hops.stamp("agent_ack", ids)
         settled = [m for m in ids if self._settle_one(kind, m, h)]
+        if hops.ON:
+            hops.stamp("resolved", settled)
         if settled:
             # the credit returns last: flush() never ends before the Future (or the error a
             # later push() raises) is settled
@@ -267,10 +322,12 @@ class AgentState:
             elif not fut.done():
                 fut.set_exception(err)
         else:
+            result = h.header
             if kind == wire.ACK:
                 self.stats["pushes_acked"] += 1
+                result = {"kind": wire.ACK, "msg": msg, "ver": h.version(msg)}
             if fut is not None and not fut.done():
-                fut.set_result(h.header)
+                fut.set_result(result)
         return True
 
     def decode_blocks(self, h, frames, keep=None) -> list:
@@ -278,10 +335,23 @@ class AgentState:
         tensors (only keys in ``keep``, when given)."""
         mtb = self.max_tensor_bytes
         descs = h.descs(frames, mtb)
-        # a block copied out of a shard's board under matching stamps (d.ref) is whole by the
-        # stamp protocol, and never left this host's memory: it is not hashed again
-        return [(d.key, wire.decode_tensor(d, f, mtb, verify=d.ref is None), d.version or 0,
-                 d.base) for d, f in zip(descs, frames) if keep is None or d.key in keep]
+        live = self.shm is not None and h.kind == wire.SNAPSHOT_REPLY
+        out = []
+        for d, f, raw in zip(descs, frames, h.t):
+            if keep is not None and d.key not in keep:
+                continue
+            ref = raw.get("b") if live else None
+            if (type(ref) is list and len(ref) == 3 and type(ref[0]) is str and d.base is None
+                    and d.codec == "raw"):
+                # where the shard's board keeps the block's newest version: read from there
+                value = LiveBlock(self.shm.mapper, ref, tcodec.DTYPES[d.dtype],
+                                  d.nbytes // tcodec.DTYPES[d.dtype].itemsize)
+            else:
+                # a block copied out of a shard's board under matching stamps (d.ref) is whole
+                # by the stamp protocol, and never left this host's memory: not hashed again
+                value = wire.decode_tensor(d, f, mtb, verify=d.ref is None)
+            out.append((d.key, value, d.version or 0, d.base))
+        return out
 
     def _snapshot(self, keys: list[str], fut: Future | None) -> None:
         self.reads.snapshot(keys, fut)
@@ -300,12 +370,16 @@ class AgentState:
             self._run(h.run)
             with self.cond:
                 self.cache.down = set(h.down)
+                moved = self.cache.on_table(h.epochs, h.owners, self.cache.down) \
+                    if h.epochs is not None else ()
                 self.cond.notify_all()
             if self.resend is not None and self.resend.recovering:
                 # a shard registered: what a restarted broker refused RECOVERING may be served
                 again = self.resend.recovering_now(self.clock())
                 self.stats["table_retries"] += len(again)
                 self.out.extend(Send(f) for f in again)
+            for p in moved:      # a live partition's primary may have changed: find its board
+                self._snapshot(self.cache.resync_keys(p), None)
         elif topic == wire.TOPIC_HEARTBEAT:
             self._on_heartbeat(messages.unpack(frames[1], _HEARTBEAT))
         elif topic[:1] in (b"p", b"r"):
@@ -353,6 +427,17 @@ class AgentState:
         h = messages.unpack(frames[1], _UPDATE)
         part = self.cache.parts.get(h.p)
         if part is None:
+            return
+        if part.live:            # read from the board: the update only wakes a waiting pull
+            self.stats["live_wakeups"] += 1
+            with self.cond:
+                behind = self.cache.live_behind(h.p, [(d.get("k"), d.get("ver"))
+                                                      for d in h.t if type(d) is dict
+                                                      and type(d.get("ver")) is int])
+                self.cond.notify_all()
+            if behind:
+                self.stats["live_boards_stale"] += 1
+                self._snapshot(self.cache.resync_keys(h.p), None)
             return
         tensors = frames[2:]
         held = self.shm.board_blocks(h.t, tensors, self.max_tensor_bytes) \

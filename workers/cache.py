@@ -11,6 +11,12 @@ reads the tensor, straight into the array it returns (not once per update and ag
 the blocks). A tensor read whose blocks did not change since the last read is the same array
 again (kept by the cache where the blocks are board references, else only while the caller
 holds it).
+
+A partition whose snapshot named, for every block followed, where its shard's board keeps the
+block's newest version (a *live* partition: its blocks are :class:`LiveBlock`) needs no
+updates at all: a read takes the newest version there, and a block's version is read from the
+board too. Its stream is not followed (no seq, no gaps); the partition is snapshot again when a
+TABLE says its epoch changed (its primary moved or failed over) or its board slot is gone.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ class Part:
     p: int
     last_seq: int = -1            # last contiguous seq applied; -1 = no stream yet
     resync: bool = True           # a snapshot of every tracked key is in flight
+    live: bool = False            # every key a LiveBlock: read from the board, no stream
     keys: set = field(default_factory=set)
     buffered: list = field(default_factory=list)
     # keys added to a partition already in sync, whose snapshot is in flight: the newest update
@@ -64,6 +71,35 @@ class BoardBlock:
         return _frozen(out) if self.read_into(out) else None
 
 
+class LiveBlock:
+    """A block read from its shard's board whenever it is read: the newest version there (a
+    live ref ``[segment, offset, capacity]``, read through ``mapper``)."""
+
+    __slots__ = ("mapper", "ref", "dtype", "size")
+    ndim = 1
+
+    def __init__(self, mapper, ref, dtype, size: int):
+        self.mapper, self.ref, self.dtype, self.size = mapper, ref, np.dtype(dtype), size
+
+    @property
+    def shape(self) -> tuple:
+        return (self.size,)
+
+    def head(self) -> tuple[int, int] | None:
+        """``(stamp, version)`` of the newest version there, None when there is none."""
+        try:
+            return self.mapper.live_version(self.ref)
+        except WireError:
+            return None
+
+    def read_into(self, out: np.ndarray) -> tuple[int, int] | None:
+        """Copy the newest version into ``out``; its ``(stamp, version)``, or None."""
+        try:
+            return self.mapper.read_live(self.ref, memoryview(out).cast("B"))
+        except WireError:
+            return None
+
+
 @dataclass
 class Block:
     value: np.ndarray | BoardBlock
@@ -80,10 +116,13 @@ class WeightCache:
         self.parts: dict[int, Part] = {}
         self.down: set[int] = set()
         self.stats = {"updates": 0, "stale_updates": 0, "gaps": 0, "snapshots": 0,
-                      "board_reads": 0, "board_rewritten": 0}
+                      "board_reads": 0, "board_rewritten": 0, "live_reads": 0}
         # name -> its last read while no block changed (a weakref where its blocks hold the
         # bytes as well: not kept for nobody)
         self.joined: dict[str, np.ndarray | weakref.ref] = {}
+        self.joined_stamps: dict[str, tuple] = {}   # name -> its live blocks' stamps then
+        self.epochs: list | None = None     # (epoch, primary) per partition, last TABLE
+        self.newly_live: list[int] = []             # partitions that became live (unfollowed)
 
     # -- tracking ------------------------------------------------------------------------
     def track(self, layout: TensorLayout) -> tuple[list[int], list[str]]:
@@ -125,7 +164,7 @@ class WeightCache:
                 seq, arr, ver = newer
                 base = seq
             cur = self.blocks.get(key)
-            if cur is None or seq >= cur.seq:
+            if cur is None or seq >= cur.seq or type(arr) is LiveBlock:
                 self.blocks[key] = Block(_frozen(arr), ver, seq, base)
                 self.joined.pop(key.rpartition("/")[0], None)
         again = []
@@ -135,6 +174,15 @@ class WeightCache:
                 continue
             part.resync = False
             part.last_seq = int(seq)
+            live = all(k in self.blocks and type(self.blocks[k].value) is LiveBlock
+                       for k in part.keys)
+            if live:
+                part.buffered = []
+                if not part.live:
+                    part.live = True
+                    self.newly_live.append(part.p)
+                continue
+            part.live = False
             pending, part.buffered = part.buffered, []
             for useq, ublocks in sorted(pending, key=lambda x: x[0]):
                 if self.on_update(part.p, useq, ublocks):
@@ -145,7 +193,7 @@ class WeightCache:
     def on_update(self, p: int, seq: int, blocks) -> bool:
         """Apply one partition update. Returns True when a gap means a new snapshot is needed."""
         part = self.parts.get(p)
-        if part is None:
+        if part is None or part.live:
             return False
         if part.resync:
             if len(part.buffered) < UPDATE_BUFFER:
@@ -194,12 +242,48 @@ class WeightCache:
         behind = []
         for p, seq in zip(ps, seqs):
             part = self.parts.get(p)
-            if part is not None and not part.resync and part.last_seq < seq:
+            if part is not None and not part.resync and not part.live and part.last_seq < seq:
                 self.stats["gaps"] += 1
                 part.resync = True
                 part.buffered = []
                 behind.append(p)
         return behind
+
+    def on_table(self, epochs, owners=None, down=()) -> list[int]:
+        """A TABLE's partition epochs (and primaries, and partitions down): live partitions
+        whose board may be another one now go back to resync, to be snapshot again. That is
+        one whose epoch or primary changed since the last TABLE (or that no TABLE named
+        before), and one back up after it was down (its shard came back as a new process,
+        with a new board, under the same name and epoch). Returns them."""
+        key = [None if p in down else (e, owners[p] if owners and p < len(owners) else None)
+               for p, e in enumerate(epochs)]
+        prev, self.epochs = self.epochs, key
+        out = []
+        for p, part in self.parts.items():
+            if not part.live or part.resync or p >= len(key) or key[p] is None:
+                continue
+            if prev is None or p >= len(prev) or prev[p] != key[p]:
+                part.resync = True
+                out.append(p)
+        return out
+
+    def live_behind(self, p: int, versions) -> bool:
+        """An UPDATE of live partition ``p`` names block versions ``[(key, version)]``; a shard
+        writes its board before it publishes, so a board whose block is older than that is
+        not the one the partition is published from now (its shard was restarted in place, or
+        it moved unseen): the partition goes back to resync. Whether it did."""
+        part = self.parts.get(p)
+        if part is None or not part.live or part.resync:
+            return False
+        for key, version in versions:
+            blk = self.blocks.get(key)
+            if blk is None or type(blk.value) is not LiveBlock:
+                continue
+            head = blk.value.head()
+            if head is None or head[1] < version:
+                part.resync = True
+                return True
+        return False
 
     def resync(self, keys) -> list[int]:
         """Put the partitions of these keys in resync (their blocks are snapshot again);
@@ -219,55 +303,77 @@ class WeightCache:
     # -- reads ---------------------------------------------------------------------------
     def version(self, name: str) -> int:
         layout = self.layouts[name]
-        vs = [self.blocks[k].version for k in layout.block_keys() if k in self.blocks]
+        vs = [self._version(self.blocks[k]) for k in layout.block_keys() if k in self.blocks]
         return min(vs) if len(vs) == layout.nblocks else -1
+
+    @staticmethod
+    def _version(blk: Block) -> int:
+        if type(blk.value) is LiveBlock:
+            head = blk.value.head()
+            return -1 if head is None else head[1]
+        return blk.version
 
     def tensor(self, name: str) -> np.ndarray | None:
         """The tensor's weights as one read-only array (never changed after), or None when a
         block in a board was rewritten before it was read (:meth:`stale_keys` says which:
         the update that rewrote it is on its way)."""
-        joined = self._joined(name)
-        if joined is not None:
-            return joined               # no block changed since the last read
         layout = self.layouts[name]
         held = [self.blocks[k] for k in layout.block_keys()]
-        if len(held) == 1 and type(held[0].value) is not BoardBlock:
+        stamps = _live_stamps(held)
+        joined = self._joined(name)
+        if joined is not None and (stamps is None or stamps == self.joined_stamps.get(name)):
+            return joined               # no block changed since the last read
+        if len(held) == 1 and stamps is None and type(held[0].value) is not BoardBlock:
             out = held[0].value.reshape(layout.shape)
             self.joined[name] = out
             return out
         flat = np.empty(layout.size, layout.dtype)
-        boards = self._fill(held, layout, flat)
-        if boards is None:
+        got = self._fill(held, layout, flat)
+        if got is None:
             return None
+        boards, read = got
         flat.flags.writeable = False
         out = flat.reshape(layout.shape)
         # where its blocks hold the bytes too, kept only while the caller does
         self.joined[name] = out if boards else weakref.ref(out)
+        if read:
+            self.joined_stamps[name] = read
         return out
 
     def read_into(self, name: str, out: np.ndarray) -> bool:
         """Copy the tensor's weights into ``out`` (writable, C-contiguous, of its dtype and
         size); False as :meth:`tensor` returns None."""
         flat = out.reshape(-1)
+        layout = self.layouts[name]
+        held = [self.blocks[k] for k in layout.block_keys()]
+        stamps = _live_stamps(held)
         joined = self._joined(name)
-        if joined is not None:
+        if joined is not None and (stamps is None or stamps == self.joined_stamps.get(name)):
             np.copyto(flat, joined.reshape(-1))
             return True
-        layout = self.layouts[name]
-        return self._fill([self.blocks[k] for k in layout.block_keys()], layout, flat) \
-            is not None
+        return self._fill(held, layout, flat) is not None
 
     def _joined(self, name: str) -> np.ndarray | None:
         joined = self.joined.get(name)
         return joined() if type(joined) is weakref.ref else joined
 
-    def _fill(self, held: list, layout: TensorLayout, flat: np.ndarray) -> bool | None:
-        """Copy the blocks ``held`` into ``flat``; whether one was read from a board, or
-        None when one there was rewritten."""
-        boards = False
+    def _fill(self, held: list, layout: TensorLayout, flat: np.ndarray) -> tuple | None:
+        """Copy the blocks ``held`` into ``flat``: whether one was read from a board, and the
+        stamps of the live blocks' versions read; None when one there was rewritten, or a live
+        one has no version to read."""
+        boards, stamps = False, []
         for i, blk in enumerate(held):
             a, b = layout.block_range(i)
-            if type(blk.value) is not BoardBlock:
+            t = type(blk.value)
+            if t is LiveBlock:
+                self.stats["live_reads"] += 1
+                got = blk.value.read_into(flat[a:b])
+                if got is None:
+                    return None
+                stamps.append(got[0])
+                boards = True
+                continue
+            if t is not BoardBlock:
                 flat[a:b] = blk.value
                 continue
             self.stats["board_reads"] += 1
@@ -275,16 +381,29 @@ class WeightCache:
             if not blk.value.read_into(flat[a:b]):
                 self.stats["board_rewritten"] += 1
                 return None
-        return boards
+        return boards, tuple(stamps)
 
     def stale_keys(self, name: str) -> list[str]:
         """The tensor's blocks whose board bytes are no longer the version held."""
         out = []
         for k in self.layouts[name].block_keys():
             v = self.blocks[k].value
-            if type(v) is BoardBlock and v.read() is None:
+            if (type(v) is BoardBlock and v.read() is None) or (type(v) is LiveBlock
+                                                                 and v.head() is None):
                 out.append(k)
         return out
+
+    def unreadable_live(self, name: str) -> bool:
+        """Whether a live block of the tensor has no version to read (its board slot was
+        given up): no update will come, it must be snapshot again."""
+        return any(type(b.value) is LiveBlock and b.value.head() is None
+                   for b in (self.blocks.get(k) for k in self.layouts[name].block_keys())
+                   if b is not None)
+
+    def live_parts(self, names) -> tuple:
+        """The live partitions the tensors ``names`` have blocks in."""
+        return tuple(sorted({p for n in names for p in self.partitions_of(n)
+                             if p in self.parts and self.parts[p].live}))
 
     def unavailable(self, name: str) -> set[int]:
         return self.partitions_of(name) & self.down
@@ -304,9 +423,12 @@ class WeightCache:
             assert len(part.buffered) <= UPDATE_BUFFER, f"partition {p}: buffer over its cap"
             assert part.resync or not part.buffered, f"partition {p}: buffered while in sync"
             assert part.last_seq >= -1
+        for p, part in self.parts.items():
+            assert not part.live or all(type(self.blocks[k].value) is LiveBlock
+                                        for k in part.keys), f"partition {p}: live, not read so"
         for key, block in self.blocks.items():
             v = block.value
-            assert type(v) is BoardBlock or not v.flags.writeable, key
+            assert type(v) in (BoardBlock, LiveBlock) or not v.flags.writeable, key
             assert v.ndim == 1, key
             assert block.pub is None or block.pub <= block.seq, (key, block.pub, block.seq)
         assert all(v >= 0 for v in self.stats.values()), self.stats
@@ -314,8 +436,15 @@ class WeightCache:
         assert self.joined.keys() <= self.layouts.keys(), "a read of a tensor not followed"
 
 
+def _live_stamps(held: list) -> tuple | None:
+    """The newest stamps of the live blocks among ``held`` (None for one with none), or None
+    when there is none."""
+    out = [b.value.head() for b in held if type(b.value) is LiveBlock]
+    return tuple(h and h[0] for h in out) if out else None
+
+
 def _frozen(arr):
-    if type(arr) is BoardBlock:
+    if type(arr) in (BoardBlock, LiveBlock):
         return arr
     a = arr.reshape(-1)
     if a.flags.writeable:

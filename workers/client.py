@@ -41,7 +41,7 @@ from gradbus.codecs.partition import DEFAULT_BLOCK_BYTES, TensorLayout, block_el
 from .agent import Agent
 from .agent_state import AgentState
 from .cache import WeightCache
-from .commands import Refresh, Request, SendMessage, Stop, Track
+from .commands import Refresh, Request, SendMessage, Stop, Track, Watch
 from .credit import CreditWindow
 from .pipeline import PushPipeline
 from .push_ops import PushMethods
@@ -131,8 +131,9 @@ class Client(PushMethods, TableMethods):
                 resend=ResendTimer(resend_after, max(RESEND_MAX, resend_after))
                 if resend_after else None, shm=self.shm)
             self.agent = Agent(self.ctx, self.client_id, self.state, self._lock)
+            link_name = (welcome.get("shm") or {}).get("link") if self.shm is not None else None
             self.agent.open(self.url, net.url(host, welcome["events"]), self.curve,
-                            curve_configure)
+                            curve_configure, link_name)
         except BaseException:
             self.ctx.destroy(linger=0)
             if getattr(self, "shm", None) is not None:
@@ -282,6 +283,30 @@ class Client(PushMethods, TableMethods):
                 self.agent.submit(Track([layouts[n] for n in todo], fut))
             fut.result(timeout)
         deadline = time.monotonic() + timeout
+        watching: tuple = ()
+        try:
+            while True:
+                got = self._wait_weights(names, out, min_version, timeout, deadline,
+                                         watching)
+                if type(got) is dict:
+                    return got
+                # live partitions (read from their boards) are behind: follow their updates
+                # while waiting, to be woken when they change
+                watching = got
+                with self._lock:
+                    self._check_open()
+                    self.agent.submit(Watch(watching, True))
+        finally:
+            if watching:
+                with self._lock:
+                    if not self._closed:
+                        self.agent.submit(Watch(watching, False))
+
+    def _wait_weights(self, names: list, out: dict, min_version, timeout: float,
+                      deadline: float, watching: tuple) -> dict | tuple:
+        """The weights once every tensor of ``names`` is at its needed version; or, when live
+        partitions of them are behind and not ``watching`` yet, those partitions."""
+        refreshed = False
         with self._cond:
             while True:
                 if self.agent.error is not None or self._closed:
@@ -300,6 +325,15 @@ class Client(PushMethods, TableMethods):
                     # a block was rewritten in its board since its update: the newer update
                     # is on its way; should it not come, the block is snapshot again
                     self._refresh_rewritten(names, got)
+                elif ready and not watching:
+                    live = self.cache.live_parts(names)
+                    if live:
+                        return live
+                if ready and not refreshed and any(self.cache.unreadable_live(n)
+                                                   for n in names):
+                    refreshed = True     # a live block's board slot is gone: find it again
+                    self.agent.submit(Refresh([k for n in names
+                                               for k in self.cache.stale_keys(n)]))
                 if self.state.broker_silent:
                     raise BrokerUnavailableError(
                         f"the broker at {self.url} has been silent for over "

@@ -13,10 +13,19 @@ from dataclasses import dataclass
 class SendMessage:
     """A push or an init, named by its ``msg`` id: settled by ACK, INIT_OK or ERROR, and sent
     again until then (the broker's duplicate window applies it once). ``future`` is None for a
-    push with ``acks=0``."""
+    push with ``acks=0``. ``sent``: the user's thread wrote it on the local link itself (the
+    agent only waits for its answer)."""
     msg: int
     frames: list
     future: Future | None
+    sent: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """Frames for the broker that a user's thread could not write on the local link itself."""
+    frames: list
+    future: None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,9 +61,18 @@ class Refresh:
 
 
 @dataclass(frozen=True, slots=True)
+class Watch:
+    """A pull waits for live partitions ``parts`` to reach a version: follow their updates
+    meanwhile (``on``), or no longer (``on=False``), so that it is woken when they change."""
+    parts: tuple
+    on: bool
+    future: None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """End the agent thread."""
     future: None = None
 
 
-Command = SendMessage | Request | ReadRows | Track | Refresh | Stop
+Command = SendMessage | Forward | Request | ReadRows | Track | Refresh | Watch | Stop

@@ -5,14 +5,15 @@ bytes through the push ring where the client has shared memory (:mod:`.shm_io`).
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future
 
 import numpy as np
 
-from gradbus.codecs import device, wire
+from gradbus.codecs import device, hops, wire
 from gradbus.codecs import tensor as tcodec
 
-from .commands import SendMessage
+from .commands import Forward, SendMessage
 
 
 class PushMethods:
@@ -32,6 +33,7 @@ class PushMethods:
         accumulation on (:meth:`accumulate`), gradients are summed here and sent only when a
         key is due; the Future then covers the keys sent by this call (None if none were).
         """
+        t_in = time.monotonic_ns() if hops.ON else None
         if acks == "all":
             acks = wire.ACKS_ALL
         elif acks not in (0, 1):
@@ -78,7 +80,8 @@ class PushMethods:
         for name in own:
             grads[name].flags.writeable = False     # its bytes are the push's from now on
         try:
-            return self._send_push(flats, layouts, chain, acks, version, timeout, own=own)
+            return self._send_push(flats, layouts, chain, acks, version, timeout, own=own,
+                                   t_in=t_in)
         except BaseException:
             for name in own:
                 if self.shm.reserved(flats[name]) is not None:   # not taken: still the caller's
@@ -107,22 +110,25 @@ class PushMethods:
 
     def _send_push(self, flats: dict, layouts: dict, chain: str, acks: int,
                    version: int | None, timeout: float | None,
-                   counts: dict | None = None, own: dict | None = None) -> Future:
+                   counts: dict | None = None, own: dict | None = None,
+                   t_in: int | None = None) -> Future:
         descs, bufs, residuals = self.pipeline.encode(flats, layouts, chain, counts,
                                                       detach=self.shm is None)
         extra = {"ver": int(version)} if version is not None else {}
-        fut = self._submit_push(descs, bufs, acks, timeout, extra, own)
+        fut = self._submit_push(descs, bufs, acks, timeout, extra, own, t_in)
         self.pipeline.commit(residuals)    # only now is the push really on its way
         self.stats["push_raw_bytes"] += sum(f.nbytes for f in flats.values())
         return fut
 
     def _submit_push(self, descs: list, bufs: list, acks: int, timeout: float | None,
-                     extra: dict, own: dict | None = None) -> Future:
+                     extra: dict, own: dict | None = None, t_in: int | None = None) -> Future:
         """Take credit for an encoded push and hand it to the agent; returns its Future.
         ``own``: gradient buffers it sends in place (name -> reservation)."""
         nbytes = sum(d["n"] for d in descs)
         msg = self.credit.take(nbytes, self.timeout if timeout is None else timeout,
                                self._ids.__next__, self._check_open, self.stats)
+        if t_in is not None:
+            hops.stamp("push", msg, t_in)
         fut: Future = Future()
         try:
             with self._lock:
@@ -130,7 +136,16 @@ class PushMethods:
                 if self.shm is not None:
                     bufs = self.shm.place(msg, descs, bufs, list(own.values()) if own else ())
                 frames = [wire.pack(wire.PUSH, descs, msg=msg, acks=acks, **extra), *bufs]
-                self.agent.submit(SendMessage(msg, frames, fut if acks else None))
+                agent = self.agent
+                if agent.link is not None:
+                    # written here, on the local link: the agent only notes it (not woken)
+                    agent.note(SendMessage(msg, frames, fut if acks else None, sent=True))
+                    if hops.ON:     # before the write: the broker may stamp its hop first
+                        hops.stamp("agent_send", msg)
+                    if not agent.direct(frames):
+                        agent.submit(Forward(frames))
+                else:
+                    agent.submit(SendMessage(msg, frames, fut if acks else None))
         except BaseException:
             self.credit.release((msg,))
             if self.shm is not None:

@@ -80,8 +80,8 @@ class ResendTimer:
         return True
 
     def all_now(self, now: float) -> list[list]:
-        """The broker restarted: every unsettled message's frames, to send again now (oldest
-        first); the delay starts again from the first one."""
+        """Every unsettled message's frames, to send again now, oldest first (the broker
+        restarted, or the local link closed); the delay starts again from the first one."""
         out = []
         for ent in self.unsettled.values():
             ent[1] = now

@@ -136,6 +136,7 @@ class ClientShm:
         if own:
             self._spend(own)
         if refs is None:     # frames after all: never the caller's own memory (not detached)
+            self.ring.stats["pushes_as_frames"] += 1
             for ent in own:
                 self.ring.unreserve(ent[0])
             return [b.copy() if isinstance(b, np.ndarray) and not b.flags.owndata else b

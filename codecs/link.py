@@ -1,0 +1,363 @@
+"""Local links: multipart messages between two processes of one host over a Unix stream socket,
+written and read by the processes' own threads.
+
+A ZeroMQ message between two processes passes through each one's I/O thread: four thread
+wake-ups per message where a socket written by the sending thread and read by the receiving one
+has one. On two busy cores that is most of a push's round trip (bench/peers.py ``--hops``), so
+a peer on the broker's host (one that took up its shared-memory offer) sends and receives what
+it would on its DEALER over a link instead; the bytes of its tensors already travel in shared
+memory, so a link carries headers and references, rarely more.
+
+Framing (both ways): a message is ``u32 n`` (frames), then ``n`` x ``u64`` frame lengths, then
+the frames' bytes, little-endian, back to back. The connecting side's first message is
+``[MAGIC, role, identity]``: ``role`` ``b"client"`` or ``b"shard"``, ``identity`` what its
+DEALER's routing id would be. The listener (the broker) binds an abstract Unix socket
+(:func:`listen`), a name only processes of its network namespace can reach, and accepts only
+peers of its own user (``SO_PEERCRED``).
+
+A :class:`Link` never blocks: a message that does not fit the socket's buffer is queued whole
+(``pending``) and written out by :meth:`Link.flush` when the socket is writable; a message that
+would take the queue past ``limit`` bytes is refused (``send`` returns False, the caller counts
+it), never half-sent. Sends are thread safe (one lock per link); one thread reads.
+"""
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import socket
+import struct
+import threading
+
+import numpy as np
+
+MAGIC = b"gradbus-link-1"
+CLIENT, SHARD = b"client", b"shard"
+ROLES = (CLIENT, SHARD)
+MAX_FRAMES = 1 << 20              # frames in one message
+MAX_MESSAGE = 1 << 38             # bytes in one message (frames and lengths)
+READ_CHUNK = 256 << 10            # bytes read at a time from the socket
+BIG = 1 << 20                     # a message body at least this long is read in place
+IOV_MAX = 512                     # buffers per sendmsg call
+DEFAULT_LIMIT = 64 << 20          # bytes a link queues before it refuses messages
+_N = struct.Struct("<I")
+_PEERCRED = struct.Struct("3i")
+
+
+class LinkClosed(ConnectionError):
+    """The link's peer went away (or sent what is not a link's framing)."""
+
+
+def _view(frame) -> memoryview:
+    """The bytes of a frame (bytes, bytearray, memoryview, numpy array, zmq.Frame) as a flat
+    byte view."""
+    buf = getattr(frame, "buffer", None)      # a zmq.Frame
+    if buf is None:
+        buf = memoryview(frame) if not isinstance(frame, np.ndarray) else \
+            memoryview(np.ascontiguousarray(frame))
+    return buf.cast("B") if buf.format != "B" or buf.ndim != 1 else buf
+
+
+class Link:
+    """One end of a local link (see the module's docstring)."""
+
+    def __init__(self, sock: socket.socket, limit: int = DEFAULT_LIMIT):
+        sock.setblocking(False)
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.limit = limit
+        self.lock = threading.Lock()
+        self.out: collections.deque = collections.deque()   # views not yet written
+        self.pending = 0                  # their bytes
+        self.closed = False
+        self.bad: str | None = None       # what was wrong with what the peer sent
+        self.refused = 0                  # messages refused with the queue full
+        self.rbuf = bytearray()           # bytes read, not yet a whole message
+        self.big: bytearray | None = None   # a large message's body, being read in place
+        self.big_lens: list | None = None
+        self.big_got = 0
+        self.ready: collections.deque = collections.deque()   # whole messages, not yet taken
+
+    def fileno(self) -> int:
+        return self.fd
+
+    # -- writing ---------------------------------------------------------------------------------
+    def send(self, frames) -> bool:
+        """Queue one message and write what the socket takes now; False when the link is
+        closed or its queue would pass ``limit`` (the message then goes nowhere)."""
+        views = [_view(f) for f in frames]
+        lens = [v.nbytes for v in views]
+        head = struct.pack(f"<I{len(lens)}Q", len(lens), *lens)
+        size = len(head) + sum(lens)
+        with self.lock:
+            if self.closed:
+                return False
+            if self.pending and self.pending + size > self.limit:
+                self.refused += 1
+                return False
+            self.out.append(memoryview(head))
+            self.out.extend(v for v in views if v.nbytes)
+            self.pending += size
+            self._write()
+            return not self.closed
+
+    def flush(self) -> bool:
+        """Write what the socket takes of what is queued; True once nothing is."""
+        with self.lock:
+            if self.pending and not self.closed:
+                self._write()
+            return not self.pending
+
+    def _write(self) -> None:
+        out = self.out
+        while out:
+            bufs = [out[i] for i in range(min(len(out), IOV_MAX))]
+            try:
+                n = self.sock.sendmsg(bufs)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                self._close()
+                return
+            self.pending -= n
+            while n:
+                first = out[0]
+                if n >= first.nbytes:
+                    n -= first.nbytes
+                    out.popleft()
+                else:
+                    out[0] = first[n:]
+                    n = 0
+
+    # -- reading ---------------------------------------------------------------------------------
+    def recv(self) -> list | None:
+        """The next whole message (a list of frames: bytes, or views of one buffer for a large
+        message), or None when none has arrived whole yet. Raises :class:`LinkClosed` once the
+        peer closed the link and every message it sent was taken."""
+        if not self.ready:
+            self._read()
+        if self.ready:
+            return self.ready.popleft()
+        if self.closed:
+            raise LinkClosed("the link's peer closed it")
+        return None
+
+    @property
+    def buffered(self) -> bool:
+        """Whole messages were read and not yet taken: readiness the socket will not show."""
+        return bool(self.ready)
+
+    def _read(self) -> None:
+        sock = self.sock
+        for _ in range(64):                 # bounded: other links get their turn
+            if self.big is not None:
+                view = memoryview(self.big)[self.big_got:]
+                try:
+                    n = sock.recv_into(view)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    n = 0
+                view.release()
+                if n == 0:
+                    self._close()
+                    return
+                self.big_got += n
+                if self.big_got == len(self.big):
+                    self._take_big()
+                continue
+            try:
+                data = sock.recv(READ_CHUNK)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._close()
+                return
+            self.rbuf += data
+            self._parse()
+            if self.ready and len(data) < READ_CHUNK:
+                return
+
+    def _parse(self) -> None:
+        buf = self.rbuf
+        pos = 0
+        while True:
+            have = len(buf) - pos
+            if have < 4:
+                break
+            n = _N.unpack_from(buf, pos)[0]
+            if n > MAX_FRAMES:
+                self._bad(f"{n} frames")
+                return
+            head = 4 + 8 * n
+            if have < head:
+                break
+            lens = struct.unpack_from(f"<{n}Q", buf, pos + 4)
+            body = sum(lens)
+            if body > MAX_MESSAGE:
+                self._bad(f"a {body} B message")
+                return
+            if have < head + body:
+                if body >= BIG:              # read the rest of it in place
+                    start = pos + head
+                    self.big = bytearray(body)
+                    got = len(buf) - start
+                    self.big[:got] = buf[start:]
+                    self.big_lens, self.big_got = list(lens), got
+                    pos = len(buf)
+                break
+            off = pos + head
+            frames = []
+            for k in lens:
+                frames.append(bytes(buf[off:off + k]))
+                off += k
+            self.ready.append(frames)
+            pos = off
+        if pos:
+            del buf[:pos]
+
+    def _take_big(self) -> None:
+        view, frames, off = memoryview(self.big), [], 0
+        for k in self.big_lens:
+            frames.append(view[off:off + k])
+            off += k
+        self.ready.append(frames)
+        self.big = self.big_lens = None
+        self.big_got = 0
+
+    def _bad(self, what: str) -> None:
+        self._close()
+        self.rbuf.clear()
+        self.bad = what
+
+    def _close(self) -> None:
+        self.closed = True
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.out.clear()
+            self.pending = 0
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+# ----------------------------------------------------------------------------- the two ends
+def listen(cluster: str) -> tuple[socket.socket, str]:
+    """A listening socket on a fresh abstract name for ``cluster``; returns it and the name
+    peers connect to."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    name = f"gradbus-{cluster}-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        s.bind("\0" + name)
+        s.listen(128)
+        s.setblocking(False)
+    except BaseException:
+        s.close()
+        raise
+    return s, name
+
+
+def accept(listener: socket.socket) -> Link | None:
+    """A peer's new link, when one is waiting and it is this process's user; None otherwise."""
+    try:
+        sock, _ = listener.accept()
+    except (BlockingIOError, InterruptedError):
+        return None
+    except OSError as e:
+        if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+            return None
+        raise
+    _, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                 _PEERCRED.size))
+    if uid != os.getuid():
+        sock.close()
+        return None
+    return Link(sock)
+
+
+def connect(name: str, role: bytes, identity: bytes, limit: int = DEFAULT_LIMIT) -> Link | None:
+    """A link to the listener at abstract ``name``, introduced as ``role`` with ``identity``;
+    None when it cannot be reached (another host or network namespace, a broker gone)."""
+    if type(name) is not str or not name or len(name) > 100 or "\0" in name:
+        return None
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect("\0" + name)
+    except OSError:
+        s.close()
+        return None
+    link = Link(s, limit)
+    if not link.send([MAGIC, role, identity]):
+        link.close()
+        return None
+    return link
+
+
+def introduction(frames) -> tuple[bytes, bytes] | None:
+    """``(role, identity)`` of a link's first message, or None when it is not one."""
+    if (len(frames) != 3 or bytes(frames[0]) != MAGIC or bytes(frames[1]) not in ROLES
+            or not 0 < len(frames[2]) <= 255):
+        return None
+    return bytes(frames[1]), bytes(frames[2])
+
+
+class LinkSocket:
+    """A link behind the calls of a ZeroMQ DEALER that a peer's loop makes (``send``,
+    ``send_multipart``, ``recv_multipart``, ``poll``, ``close``), so that a loop written for
+    the DEALER runs over a link unchanged. ``recv_multipart`` raises ``zmq.Again`` when no whole
+    message is there; once the peer closed the link (or a message could not be queued) it does
+    so for good and ``lost`` is set: the loop makes a new connection."""
+
+    def __init__(self, lnk: Link):
+        self.link = lnk
+        self.lost = False
+
+    def fileno(self) -> int:
+        return self.link.fd
+
+    def send(self, msg, flags: int = 0, copy: bool = True, track: bool = False) -> None:
+        self._sent(self.link.send([msg]))
+
+    def send_multipart(self, frames, flags: int = 0, copy: bool = True,
+                       track: bool = False) -> None:
+        self._sent(self.link.send(frames))
+
+    def _sent(self, ok: bool) -> None:
+        if not ok:
+            self.lost = True
+
+    def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> list:
+        import zmq
+        if not self.lost:
+            try:
+                frames = self.link.recv()
+            except LinkClosed:
+                self.lost = True
+                frames = None
+            if frames is not None:
+                return frames
+        raise zmq.Again()
+
+    def poll(self, timeout: int | None = None, flags: int = 1) -> int:
+        """POLLIN (1) when a message can be taken, else 0 after ``timeout`` ms; writes what is
+        queued meanwhile."""
+        import select
+        lnk = self.link
+        if lnk.buffered or self.lost or lnk.closed:
+            return 1
+        if lnk.pending:
+            lnk.flush()
+        p = select.poll()
+        p.register(lnk.fd, select.POLLIN | (select.POLLOUT if lnk.pending else 0))
+        got = p.poll(timeout)
+        if got and got[0][1] & select.POLLOUT:
+            lnk.flush()
+        return 1 if got and got[0][1] & (select.POLLIN | select.POLLHUP | select.POLLERR) else 0
+
+    def close(self, linger: int | None = None) -> None:
+        self.link.close()

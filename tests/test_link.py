@@ -1,0 +1,157 @@
+"""Local links (codecs/link.py): framing both ways, large messages through partial writes, the
+queue's bound, a peer that goes away or sends garbage, and the listener's introductions."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import threading
+
+import numpy as np
+import pytest
+
+from gradbus.codecs import link
+
+DEADLINE = 30.0
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    la, lb = link.Link(a), link.Link(b)
+    yield la, lb
+    la.close()
+    lb.close()
+
+
+def _take(lnk, count: int) -> list:
+    """``count`` messages from ``lnk``, waiting for its socket to be readable."""
+    import select
+    got = []
+    p = select.poll()
+    p.register(lnk.fd, select.POLLIN)
+    while len(got) < count:
+        m = lnk.recv()
+        if m is None:
+            assert p.poll(int(DEADLINE * 1000)), "nothing came"
+            continue
+        got.append([bytes(f) for f in m])
+    return got
+
+
+def test_messages_of_every_frame_kind_arrive_whole_and_in_order(pair):
+    a, b = pair
+    arr = np.arange(10, dtype=np.float32)
+    sent = [[b"header", b""], [memoryview(b"xy"), arr, bytearray(b"z")], [b"one"],
+            [b"h"] + [bytes([i]) * i for i in range(40)]]
+    for m in sent:
+        assert a.send(m)
+    got = _take(b, len(sent))
+    assert got[0] == [b"header", b""]
+    assert got[1] == [b"xy", arr.tobytes(), b"z"]
+    assert got[2] == [b"one"]
+    assert got[3] == [b"h"] + [bytes([i]) * i for i in range(40)]
+    assert b.recv() is None and not b.buffered
+    assert b.send([b"back"]) and _take(a, 1) == [[b"back"]]
+
+
+def test_a_large_message_goes_out_in_pieces_while_the_reader_reads():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    la, lb = link.Link(a, limit=1 << 30), link.Link(b)
+    big = np.random.default_rng(0).integers(0, 255, 24 << 20, dtype=np.uint8)
+    try:
+        assert la.send([b"head", big, b"tail"])
+        assert la.pending > 0             # more than the socket's buffer: queued
+        assert la.send([b"after"])        # queued behind it, in order
+        done = threading.Event()
+
+        def writer():
+            import select
+            p = select.poll()
+            p.register(la.fd, select.POLLOUT)
+            while not la.flush():
+                p.poll(1000)
+            done.set()
+
+        t = threading.Thread(target=writer)
+        t.start()
+        got = _take(lb, 2)
+        t.join(DEADLINE)
+        assert done.is_set()
+        assert got[0][0] == b"head" and got[0][2] == b"tail"
+        assert np.array_equal(np.frombuffer(got[0][1], np.uint8), big)
+        assert got[1] == [b"after"]
+    finally:
+        la.close()
+        lb.close()
+
+
+def test_a_full_queue_refuses_whole_messages():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    la, lb = link.Link(a, limit=4 << 20), link.Link(b)
+    try:
+        chunk = bytes(1 << 20)
+        sent = 0
+        while la.send([b"m", chunk]):      # nobody reads: the socket's buffer, then the queue
+            sent += 1
+            assert sent < 64, "the queue never filled"
+        assert la.refused == 1
+        got = 0                            # every message it took arrives whole, no more
+        for _ in range(10_000):
+            la.flush()
+            m = lb.recv()
+            if m is not None:
+                assert [bytes(f) for f in m] == [b"m", chunk]
+                got += 1
+            elif got == sent and not la.pending:
+                break
+        assert got == sent and lb.recv() is None
+    finally:
+        la.close()
+        lb.close()
+
+
+def test_the_peer_going_away_is_seen_after_what_it_sent(pair):
+    a, b = pair
+    assert a.send([b"last"])
+    a.close()
+    assert _take(b, 1) == [[b"last"]]
+    with pytest.raises(link.LinkClosed):
+        for _ in range(100):
+            assert b.recv() is None
+    assert not b.send([b"to nobody"])
+
+
+def test_garbage_closes_the_link(pair):
+    a, b = pair
+    a.sock.send(struct.pack("<I", link.MAX_FRAMES + 1) + bytes(64))
+    with pytest.raises(link.LinkClosed):
+        for _ in range(100):
+            b.recv()
+    assert "frames" in b.bad
+
+
+def test_listener_accepts_its_user_and_reads_the_introduction():
+    listener, name = link.listen("0badcafe")
+    try:
+        assert link.connect(name + "-nobody", b"client", b"x") is None
+        c = link.connect(name, b"client", b"client-id")
+        assert c is not None
+        s = None
+        for _ in range(100):
+            s = link.accept(listener)
+            if s is not None:
+                break
+        assert s is not None
+        (first,) = _take(s, 1)
+        assert link.introduction(first) == (b"client", b"client-id")
+        assert link.introduction([link.MAGIC, b"worker", b"x"]) is None
+        assert link.introduction([b"hello", b"client", b"x"]) is None
+        assert link.introduction([link.MAGIC, b"shard", b""]) is None
+        assert link.accept(listener) is None          # nothing else waits
+        c.close()
+        s.close()
+    finally:
+        listener.close()
+    assert link.connect("bad\0name", b"client", b"x") is None
+    assert os.getuid() >= 0

@@ -138,6 +138,12 @@ class Links:
         if ent[0].closed:
             self._drop(fd)
 
+    def holds(self, role: bytes, identity: bytes) -> bool:
+        """Whether an open link carries ``identity`` (of ``role``): a message under that
+        identity from a socket is another peer's, not this link's."""
+        lnk = self.routes.get((role, identity))
+        return lnk is not None and not lnk.closed
+
     # -- sending ---------------------------------------------------------------------------------
     def send(self, role: bytes, identity: bytes, frames) -> bool | None:
         """Send over ``identity``'s link: True when sent (or queued), False when its queue was

@@ -218,6 +218,12 @@ class BrokerServer:
             n += 1
             if len(msg) < 2:
                 continue  # ROUTER always gives identity + at least one frame; ignore otherwise
+            if (sock is self.backend and self.links is not None
+                    and self.links.holds(SHARD, msg[0].bytes)):
+                # a live shard's link identity from a socket: another peer's, never the
+                # shard's (it speaks on one or the other), so it takes no shard's place
+                self.links.counters["links_impersonated"] += 1
+                continue
             if self.auth is not None:    # the authenticated sender's key and roles
                 key = _user_id(msg[1])
                 self._handle(handler, msg[0].bytes, msg[1:], self.auth.allow.roles_of(key),

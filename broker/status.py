@@ -37,6 +37,8 @@ _BROKER_COUNTERS = (
      "Local links opened by clients and shards on the broker's host (introduced and routed)."),
     ("links_refused", "links_refused",
      "Local links closed at once: a bad introduction, a live shard's identity, too many links."),
+    ("links_impersonated", "links_impersonated",
+     "Messages on the backend socket under the identity of a shard's open local link: dropped."),
     ("shm_fallbacks", "shm_relay_full",
      "Batches that should have gone to shards through shared memory and went as frames: the "
      "broker's ring had no room (or /dev/shm none for a new segment)."),

@@ -174,7 +174,7 @@ class AgentState:
         again, now, on the DEALER (the broker's duplicate window applies each once)."""
         if self.resend is not None:
             for frames in self.resend.all_now(self.clock()):
-                self.stats["resends"] += 1
+                self.stats["link_resends"] += 1
                 self.out.append(Send(frames))
 
     def fail_all(self, err: BaseException, queued=()) -> None:

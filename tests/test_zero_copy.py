@@ -227,14 +227,20 @@ def test_a_pull_reads_board_blocks_once_into_the_array_it_returns():
         board.close()
 
 
+def _live_cache(P: int = 4, block: int = 2):
+    """A weight cache following an 8-float tensor in blocks of ``block``: (cache, its block
+    keys)."""
+    cache = WeightCache(P)
+    layout = TensorLayout("w", "float32", (8,), block)
+    cache.track(layout)
+    return cache, layout.block_keys()
+
+
 def test_a_live_partition_reads_the_board_needs_no_update_and_resyncs_on_an_epoch_change():
     board = shm.Board("00c0ffee", segment_bytes=1 << 20)
     mapper = shm.Mapper()
     P, block = 4, 2
-    cache = WeightCache(P)
-    layout = TensorLayout("w", "float32", (8,), block)
-    cache.track(layout)
-    keys = layout.block_keys()
+    cache, keys = _live_cache(P, block)
 
     def publish(value: float, version: int) -> None:
         for k in keys:
@@ -290,10 +296,7 @@ def test_a_live_partition_finds_its_board_again_when_its_shard_is_a_new_process(
     old, new = (shm.Board("00c0ffee", segment_bytes=1 << 20) for _ in range(2))
     mapper = shm.Mapper()
     P, block = 4, 2
-    cache = WeightCache(P)
-    layout = TensorLayout("w", "float32", (8,), block)
-    cache.track(layout)
-    keys = layout.block_keys()
+    cache, keys = _live_cache(P, block)
     parts = sorted({partition_of(k, P) for k in keys})
 
     def go_live(board, version):

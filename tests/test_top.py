@@ -288,6 +288,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _terminal_signals() -> None:
+    """In the child: SIGINT neither ignored nor blocked, as a shell on a terminal starts it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_masks(pid: int) -> str:
+    """The ignored and blocked signal masks of a process, as /proc says them."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(ln.strip() for ln in f if ln.startswith(("SigIgn", "SigBlk")))
+    except OSError:
+        return "(gone)"
+
+
 class _Pty:
     """``gradbus top`` on a 160x50 pseudo-terminal; ``raw`` is all it wrote."""
 
@@ -299,7 +314,10 @@ class _Pty:
         env.update(TERM="xterm-256color", PYTHONIOENCODING="utf-8")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gradbus", "top", "--broker", url, "--interval", interval],
-            stdin=self.slave, stdout=self.slave, stderr=self.slave, env=env, close_fds=True)
+            stdin=self.slave, stdout=self.slave, stderr=self.slave, env=env, close_fds=True,
+            # as a shell on a terminal starts it: Ctrl-C not ignored, whatever this process
+            # inherited (a pytest-xdist worker ignores SIGINT, and a child inherits that)
+            preexec_fn=_terminal_signals)
         self.raw = b""
 
     def drain(self) -> None:
@@ -400,8 +418,14 @@ def test_top_in_a_pty_without_a_broker_keeps_trying_and_quits_on_ctrl_c():
         assert term.proc.poll() is None
         # once the terminal is in cbreak mode, Ctrl-C is what the terminal driver sends
         wait_for(lambda: not termios.tcgetattr(term.slave)[3] & termios.ICANON, 10, "cbreak")
+        masks = _signal_masks(term.proc.pid)
         term.proc.send_signal(signal.SIGINT)
-        assert term.exit_code(30) == 0
+        try:
+            code = term.exit_code(30)
+        except TimeoutError:
+            pytest.fail(f"top did not exit on SIGINT (its signal masks: {masks}); its "
+                        f"screen: {term.screen()[-600:]!r}")
+        assert code == 0
         assert LEAVE_ALT_SCREEN in term.raw[-64:]
         assert _restored(term)
     finally:

@@ -332,6 +332,13 @@ def test_a_live_partition_finds_its_board_again_when_its_shard_is_a_new_process(
         go_live(old, 6)     # reading the old board again, which stays at 6
         assert cache.live_behind(p0, [(key0, 7)]) and cache.parts[p0].resync
         assert not cache.live_behind(p0, [(key0, 8)])       # asked once, not again
+        go_live(new, 7)
+        # a restarted broker (another run id): every live partition is asked again, and the
+        # next TABLE, whatever it says, is taken as the first
+        assert sorted(cache.forget_table()) == parts and cache.epochs is None
+        assert all(cache.parts[p].resync for p in parts)
+        go_live(new, 7)
+        assert sorted(cache.on_table(epochs, owners, set())) == parts
         cache.validate_state()
     finally:
         mapper.close()

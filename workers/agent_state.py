@@ -420,6 +420,10 @@ class AgentState:
         reads = self.reads.in_flight()
         for req in reads:
             self.reads.reask(req, frames=False)
+        with self.cond:
+            live = self.cache.forget_table()
+        for p in live:          # their primary may be another shard now, with another board
+            self._snapshot(self.cache.resync_keys(p), None)
         log.info("the broker restarted: %d pushes or inits, %d requests and %d reads sent "
                  "again", n, len(self.req_frames), len(reads))
 

@@ -267,6 +267,17 @@ class WeightCache:
                 out.append(p)
         return out
 
+    def forget_table(self) -> list[int]:
+        """Another broker process answers now: the partition table the live partitions were
+        read under may be another (a restarted broker takes each partition from the first
+        shard that names it). Every live partition goes back to resync, and the next TABLE is
+        taken as the first. Returns them."""
+        self.epochs = None
+        out = [p for p, part in self.parts.items() if part.live and not part.resync]
+        for p in out:
+            self.parts[p].resync = True
+        return out
+
     def live_behind(self, p: int, versions) -> bool:
         """An UPDATE of live partition ``p`` names block versions ``[(key, version)]``; a shard
         writes its board before it publishes, so a board whose block is older than that is

@@ -134,6 +134,9 @@ def test_a_sigkilled_broker_comes_back_on_its_ports_and_no_acked_push_is_lost(up
                  "up to start the broker again")
         wait_for(lambda: _alive(url) == 2, 30, "the shards to register with it")
         assert _ports(url) == ports                 # the same client, shard and events ports
+        # the client may have called the broker silent while it was down (flush then raises
+        # at once); its SUB reconnects with back-off: wait until it hears the broker again
+        wait_for(lambda: c.broker_alive, 30, "the client to hear the broker again")
         for _ in range(n):
             c.push({"w": np.ones_like(w0)})
         c.flush(30)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,20 +27,10 @@ import gradbus
 from gradbus import admin
 from gradbus.codecs import net, security, wire
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402  (gradbus up's start and its ending)
+
 ROGUE_AFTER = 3.0     # seconds of pushing before the rogue connects
-
-
-def _ready(up: subprocess.Popen, log, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        log.seek(0)
-        text = log.read()
-        if "ready: " in text:
-            return text.split("ready: ", 1)[1].split()[0]
-        if up.poll() is not None:
-            raise RuntimeError(f"gradbus up exited with {up.returncode}:\n{text[-2000:]}")
-        time.sleep(0.1)
-    raise TimeoutError("gradbus up not ready")
 
 
 def _rogue(ctx: zmq.Context, url: str, curve) -> zmq.Socket:
@@ -65,7 +54,7 @@ def run(seconds: float, curve_dir: str | None) -> dict:
                               start_new_session=True)
         ctx, rogue = zmq.Context(), None
         try:
-            url = _ready(up, log)
+            url = peers._wait_ready(up, log.name, peers.READY_TIMEOUT)
             curve = security.Curve.from_files(os.path.join(curve_dir, "client.key_secret"),
                                               os.path.join(curve_dir, "broker.key")) \
                 if curve_dir else None
@@ -96,12 +85,7 @@ def run(seconds: float, curve_dir: str | None) -> dict:
             if rogue is not None:
                 rogue.close()
             ctx.term()
-            os.killpg(up.pid, signal.SIGINT)
-            try:
-                up.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
-                up.wait()
+            peers._end_group(up)
 
 
 def main() -> int:

@@ -315,8 +315,8 @@ class _Pty:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gradbus", "top", "--broker", url, "--interval", interval],
             stdin=self.slave, stdout=self.slave, stderr=self.slave, env=env, close_fds=True,
-            # as a shell on a terminal starts it: Ctrl-C not ignored, whatever this process
-            # inherited (a pytest-xdist worker ignores SIGINT, and a child inherits that)
+            # as a shell on a terminal starts it: Ctrl-C neither ignored nor blocked, whatever
+            # this test process has (an ignored or blocked signal passes to a child)
             preexec_fn=_terminal_signals)
         self.raw = b""
 

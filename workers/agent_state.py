@@ -134,7 +134,7 @@ class AgentState:
             with self.cond:
                 parts = self.cache.resync(cmd.keys)
             for p in parts:
-                self._snapshot(self.cache.resync_keys(p), None)
+                self._resnapshot(p)
         elif t is Watch:
             for p in cmd.parts:
                 n = self.watched.get(p, 0) + (1 if cmd.on else -1)
@@ -356,6 +356,10 @@ class AgentState:
     def _snapshot(self, keys: list[str], fut: Future | None) -> None:
         self.reads.snapshot(keys, fut)
 
+    def _resnapshot(self, p: int) -> None:
+        """Partition ``p`` was put back in resync: snapshot its blocks again."""
+        self._snapshot(self.cache.resync_keys(p), None)
+
     # -- events on the SUB -------------------------------------------------------------------------
     def event(self, frames) -> None:
         """One message from the broker's events socket (a malformed one is counted, dropped)."""
@@ -379,7 +383,7 @@ class AgentState:
                 self.stats["table_retries"] += len(again)
                 self.out.extend(Send(f) for f in again)
             for p in moved:      # a live partition's primary may have changed: find its board
-                self._snapshot(self.cache.resync_keys(p), None)
+                self._resnapshot(p)
         elif topic == wire.TOPIC_HEARTBEAT:
             self._on_heartbeat(messages.unpack(frames[1], _HEARTBEAT))
         elif topic[:1] in (b"p", b"r"):
@@ -396,7 +400,7 @@ class AgentState:
             with self.cond:
                 behind = self.cache.on_heartbeat(h.ps, h.seqs)
             for p in behind:
-                self._snapshot(self.cache.resync_keys(p), None)
+                self._resnapshot(p)
 
     def _run(self, run: int | None) -> None:
         """The run id an event named (None: none)."""
@@ -423,7 +427,7 @@ class AgentState:
         with self.cond:
             live = self.cache.forget_table()
         for p in live:          # their primary may be another shard now, with another board
-            self._snapshot(self.cache.resync_keys(p), None)
+            self._resnapshot(p)
         log.info("the broker restarted: %d pushes or inits, %d requests and %d reads sent "
                  "again", n, len(self.req_frames), len(reads))
 
@@ -441,7 +445,7 @@ class AgentState:
                 self.cond.notify_all()
             if behind:
                 self.stats["live_boards_stale"] += 1
-                self._snapshot(self.cache.resync_keys(h.p), None)
+                self._resnapshot(h.p)
             return
         tensors = frames[2:]
         held = self.shm.board_blocks(h.t, tensors, self.max_tensor_bytes) \
@@ -459,7 +463,7 @@ class AgentState:
         self.stats["updates_received"] += 1
         self.stats["recv_bytes"] += sum(wire.frame_len(f) for f in tensors)
         if gap:
-            self._snapshot(self.cache.resync_keys(h.p), None)
+            self._resnapshot(h.p)
 
     def validate_state(self) -> None:
         self.reads.validate_state()

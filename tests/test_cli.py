@@ -66,6 +66,32 @@ def test_up_ready_status_and_sigterm_leaves_no_orphans():
         proc.stdout.close()
 
 
+def test_up_started_with_its_stop_signals_blocked_still_stops_on_sigterm():
+    """A parent that holds SIGTERM and SIGINT blocked when it starts ``up`` (the mask passes
+    across exec): up unblocks them, stops its children and exits."""
+    blocked = {signal.SIGTERM, signal.SIGINT}
+    proc = subprocess.Popen([sys.executable, "-m", "gradbus", "up", "--shards", "1", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked))
+    try:
+        line = wait_for(lambda: proc.stdout.readline().strip(), 60, "ready line")
+        assert line.startswith("ready: "), line
+        kids = _children(proc.pid)
+        assert len(kids) == 2
+        with open(f"/proc/{proc.pid}/status") as f:
+            mask = int(next(x for x in f if x.startswith("SigBlk:")).split()[1], 16)
+        assert not mask & (1 << (signal.SIGTERM - 1) | 1 << (signal.SIGINT - 1)), hex(mask)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        for k in kids:
+            wait_for(lambda k=k: _gone(k), 10, f"child {k} to exit")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
 def test_status_without_broker_is_a_clear_error():
     r = CliRunner().invoke(main, ["status", "--broker", "tcp://127.0.0.1:9", "--timeout", "0.3"])
     assert r.exit_code != 0 and "no reply from the broker" in r.output

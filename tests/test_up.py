@@ -239,5 +239,10 @@ def test_a_failed_final_checkpoint_makes_up_exit_non_zero(up, tmp_path):
     data.mkdir(exist_ok=True)
     (data / "shard-0").write_text("not a folder")      # the final checkpoint cannot be written
     u.proc.send_signal(signal.SIGTERM)
-    assert u.proc.wait(60) == 1
+    try:
+        code = u.proc.wait(60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"up did not exit 60 s after SIGTERM; its children {u.children()}; "
+                    f"its stderr:\n{u.stderr()}")
+    assert code == 1, u.stderr()
     assert "shard-0 exited with" in u.stderr()

@@ -109,11 +109,14 @@ def server_process() -> None:
 
 
 def on_signals(stop) -> None:
-    """Call ``stop()`` on SIGTERM and SIGINT."""
+    """Call ``stop()`` on SIGTERM and SIGINT. A process inherits its parent's blocked signals
+    across exec: both are unblocked, or a parent that held them blocked when it started this
+    one would leave it deaf to the stop."""
     def handler(signum, frame):
         stop()
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 def parse_time(value: str | None, hint: str = "--at") -> float | None:

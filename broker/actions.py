@@ -7,6 +7,9 @@
   left in shared memory inlined first where ``inline`` says so; :class:`Adopt` is the ADOPT
   that starts a catch-up (counted by ops commands);
 * :class:`Publish` -- publish ``frames`` on events (XPUB), ``frames[0]`` is the topic;
+  :class:`Capture` is a partition's UPDATE that clients follow by conflated delivery: the loop
+  publishes it, then hands it back to :meth:`~.core.BrokerCore.on_published` with any
+  shared-memory references copied into its frames;
 * :class:`AppendLog` -- append one BATCH's parts to the update log, before it is sent;
 * :class:`SyncLog` -- fsync the update log;
 * :class:`ReadLog` -- read the update log and hand the REGISTER ``frames`` from ``identity``
@@ -70,6 +73,13 @@ class Publish:
 
 
 @dataclass(frozen=True, slots=True)
+class Capture(Publish):
+    p: int = -1               # the partition
+    seq: int = 0              # the UPDATE's seq
+    owners: tuple = ()        # followers whose pushes its batch applied
+
+
+@dataclass(frozen=True, slots=True)
 class AppendLog:
     parts: list               # BATCH header parts
     t_list: list              # their tensor descriptors
@@ -101,4 +111,5 @@ class Acked:
     ver: int | None = None      # the least version of the push's tensors once it was applied
 
 
-Action = ToClient | ReplyClient | ToShard | Publish | AppendLog | SyncLog | ReadLog | FreeRelays
+Action = (ToClient | ReplyClient | ToShard | Publish | Capture | AppendLog | SyncLog | ReadLog
+          | FreeRelays)

@@ -9,7 +9,7 @@ import logging
 from gradbus.codecs import hops, wire
 from gradbus.codecs.errors import Code
 
-from .actions import INLINE_REPLY, Publish, ToShard
+from .actions import INLINE_REPLY, Capture, Publish, ToShard
 from .rebalance import state_req
 
 log = logging.getLogger("gradbus.broker")
@@ -25,6 +25,8 @@ class ShardEvents:
         self.sequencer, self.settlement, self.reads = c.sequencer, c.settlement, c.reads
         self.rebalance, self.recovery = c.rebalance, c.recovery
         self.acked, self.admission = c.acked, c.admission
+        self.delivery = c.delivery
+        self.unpublished: list = []   # (p, seq) a registration took as published, no UPDATE
         self._core = c
 
     @property
@@ -34,6 +36,17 @@ class ShardEvents:
 
     def _table_msg(self) -> Publish:
         return Publish(self.table.message())
+
+    def _publish(self, p: int, seq: int, pub: list, refs: bool) -> Publish:
+        """A part's UPDATE on events; where clients follow p by conflated delivery, also
+        handed back to the core once published (:class:`~.actions.Capture`), with the
+        followers whose pushes it applied."""
+        frames = [wire.topic_partition(p), *pub]
+        if not self.delivery.followed(p):
+            return Publish(frames, refs)
+        b = self.sequencer.inflight.get((p, seq))
+        owners = self.delivery.owners(p, b.refs) if b is not None else ()
+        return Capture(frames, refs, p, seq, owners)
 
     # ------------------------------------------------------------------ registration
     def register(self, identity: bytes, h, now: float, key: str | None = None) -> list:
@@ -109,6 +122,9 @@ class ShardEvents:
                                                     partitions=self.P, shm=s.shm)]))
         if rec.replay is not None:
             rec.replay_orphans()
+        for p, seq in self.unpublished:      # copies taken over: caches cannot vouch for them
+            actions += self.delivery.unpublished(p, seq)
+        self.unpublished.clear()
         if drop:
             actions.append(ToShard(identity, [wire.pack(wire.DROP, ps=drop)]))
         actions.append(self._table_msg())
@@ -133,6 +149,7 @@ class ShardEvents:
             sq.seq[p] = max(sq.seq[p], seq)
             if seq:
                 sq.published_seq[p] = seq
+                self.unpublished.append((p, seq))
             rec.adopted[p] = state
             self.acked.note(p, *state)
             tb.set_bytes(p, nbytes)
@@ -150,6 +167,7 @@ class ShardEvents:
             self.acked.note(p, *state)
             sq.seq[p] = seq
             sq.published_seq[p] = seq
+            self.unpublished.append((p, seq))
             for sid in tb.take_over(s, p, epoch):
                 rec.pending_drops.append((sid, p))
             return True
@@ -185,7 +203,7 @@ class ShardEvents:
             ho = handover.get(p)
             if ho is not None and ho[0] == s.id and not primary and s.id not in tb.standbys[p]:
                 if seq <= ho[1] and pub is not None:     # sent to it as the primary
-                    actions.append(Publish([wire.topic_partition(p), *pub], s.shm))
+                    actions.append(self._publish(p, seq, pub, s.shm))
                     sq.published_seq[p] = max(seq, sq.published_seq.get(p, 0))
                 if seq >= ho[1]:
                     del handover[p]
@@ -196,7 +214,7 @@ class ShardEvents:
                 continue
             if primary:
                 if pub is not None:
-                    actions.append(Publish([wire.topic_partition(p), *pub], s.shm))
+                    actions.append(self._publish(p, seq, pub, s.shm))
                     b = sq.inflight.get((p, seq))
                     pending = self.settlement.pending
                     for ref in (b.refs if b is not None and not b.primary_done else ()):
@@ -207,6 +225,8 @@ class ShardEvents:
                 # named in heartbeats, so subscribers see they missed it and re-snapshot.
                 if seq > sq.published_seq.get(p, 0):
                     sq.published_seq[p] = seq
+                    if pub is None:
+                        actions += self.delivery.unpublished(p, seq)
                 tr, vers = part.tr, part.vers
                 if tr is not None:
                     grown = self.catalog.learn_rows(p, tr)
@@ -280,7 +300,8 @@ class ShardEvents:
         tb, rb = self.table, self.rebalance
         actions = []
         err = (Code.SHARD_UNAVAILABLE.value, f"shard {s.id} died before applying ({why})")
-        rb.end_handovers(lambda ho: ho[0] == s.id)
+        for p, seq in rb.end_handovers(lambda ho: ho[0] == s.id):
+            actions += self.delivery.unpublished(p, seq)
         for p in range(self.P):
             tb.cancel_catch_up(p, s.id)
             if s.id in tb.standbys[p]:

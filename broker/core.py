@@ -15,6 +15,8 @@ Components (each with a ``validate_state()``):
 * :mod:`.catalog` -- tensors and tables, request checks, INIT planning;
 * :mod:`.consistency` -- staleness, SSP, BSP barriers, parked reads;
 * :mod:`.reads` -- snapshots, rows, digests and checkpoints routed to shards;
+* :mod:`.delivery` -- conflated delivery of weights to clients that read them as frames: the
+  partitions each follows, its credits, a last-value cache per followed partition;
 * :mod:`.rebalance` -- catch-ups, moves, drain, hand-overs;
 * :mod:`.recovery` -- restart, log replay, the update log's write policy;
 * :mod:`.backend` -- what shards say (registration, APPLIED, death) across the components;
@@ -45,6 +47,7 @@ from .admission import Admission
 from .backend import ShardEvents
 from .catalog import Catalog
 from .consistency import Consistency
+from .delivery import Delivery
 from .membership import Membership
 from .meters import Meters
 from .partition_table import PartitionTable
@@ -112,6 +115,7 @@ class BrokerCore:
                                self.recovery.check_recovering(what, known))
         self.consistency = Consistency(s, m, self.members)
         self.sequencer = Sequencer(partitions, s, m, self.table, self.members)
+        self.delivery = Delivery(partitions, m, self.members, self.sequencer)
         self.recovery = Recovery(s, m, self.members, self.table, self.catalog, self.sequencer,
                                  self.acked, replay, now)
         self.reads = Reads(partitions, s, m, self.members, self.table, self.catalog,
@@ -261,6 +265,7 @@ class BrokerCore:
             return [ToClient(identity, [wire.pack(wire.STATUS_REPLY, req=m.req, status=st)])]
         if kind == wire.BYE:
             self.members.clients.pop(identity, None)
+            self.delivery.forget(identity)
             return []
         if kind in (wire.DIGEST, wire.CHECKPOINT):
             return self.reads.fanout(identity, m)
@@ -282,6 +287,11 @@ class BrokerCore:
                 return self.reads.rows(client, m)
             if kind == wire.CATALOG:
                 return [ToClient(identity, self.catalog.reply(m))]
+            if kind == wire.FOLLOW:
+                self.delivery.follow(identity, m.ps)
+                return []
+            if kind == wire.CREDIT:
+                return self.delivery.credit(identity, m.ps, m.seqs, m.again)
             if getattr(m, "shm", None) is not None:    # HEARTBEAT: registered, last_seen set
                 client.shm = m.shm
             return []
@@ -498,8 +508,10 @@ class BrokerCore:
         actions = self.shard_events.silent(now)
         if rb.handover:      # a moved primary that never reported its last batches
             deadline = st.shard_deadline
-            rb.end_handovers(lambda ho: now - ho[2] > deadline)
+            for p, seq in rb.end_handovers(lambda ho: now - ho[2] > deadline):
+                actions += self.delivery.unpublished(p, seq)
         self.members.expire_clients(now, self.settlement.busy)
+        self.delivery.forget_gone(self.members.clients)
         actions += rb.repair(now)
         if self.consistency.barriers:
             self.consistency.release(self._enqueue_push)
@@ -526,6 +538,15 @@ class BrokerCore:
             wire.HEARTBEAT, ps=ps, seqs=[published[p] for p in ps], run=self.run,
             **({"tv": tv} if tv else {}))])
 
+    def on_published(self, p: int, frames: list | None, owners: tuple, now: float,
+                     seq: int | None = None) -> list:
+        """The loop published a :class:`~.actions.Capture`: ``frames`` as published, with
+        the blocks a shard referenced in its board copied into them (None when one was
+        rewritten before it was read whole; ``seq`` is then the UPDATE's). Conflated
+        delivery caches it and sends it to the followers that are to get it."""
+        self.now = now
+        return self.delivery.published_update(p, frames, owners, seq)
+
     # ------------------------------------------------------------------ views
     def status(self, now: float) -> dict:
         return _status.status(self, now)
@@ -545,7 +566,7 @@ class BrokerCore:
         problems = []
         for part in (self.members, self.table, self.catalog, self.sequencer, self.settlement,
                      self.consistency, self.rebalance, self.recovery, self.acked,
-                     self.admission):
+                     self.admission, self.delivery):
             problems += part.validate_state()
         if problems:
             raise RuntimeError("; ".join(problems))

@@ -161,15 +161,19 @@ class Rebalance:
         self.table.bump()
         return [ToShard(s.identity, [wire.pack(wire.DROP, ps=[p])])]
 
-    def end_handovers(self, which) -> None:
+    def end_handovers(self, which) -> list[tuple[int, int]]:
         """Give up on moved primaries' last publishes (``which(handover)`` true): heartbeats
-        name the seq they were to reach, so subscribers that missed some re-snapshot."""
+        name the seq they were to reach, so subscribers that missed some re-snapshot. Returns
+        the ``(p, seq)`` so counted as published without an UPDATE."""
         published = self.sequencer.published_seq
+        out = []
         for p, ho in list(self.handover.items()):
             if which(ho):
                 del self.handover[p]
                 if ho[1] > published.get(p, 0):
                     published[p] = ho[1]
+                    out.append((p, ho[1]))
+        return out
 
     # ------------------------------------------------------------------ planning
     def fold_rates(self, now: float) -> None:

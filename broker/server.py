@@ -35,6 +35,7 @@ from gradbus.codecs.errors import WireError
 from . import log as ulog
 from .actions import (
     AppendLog,
+    Capture,
     FreeRelays,
     Publish,
     ReadLog,
@@ -174,6 +175,10 @@ class BrokerServer:
                         if self.links is None or self.links.send(SHARD, identity,
                                                                  frames) is None:
                             self.backend.send_multipart([identity, *frames], copy=False)
+                    case Capture(frames, refs, p, seq, owners):
+                        # published, then cached and sent to the clients that follow p
+                        out = self.shm_io.publish(self.events, frames, refs, keep=True)
+                        self._do(self.core.on_published(p, out, owners, self.clock(), seq))
                     case Publish(frames, refs):
                         self.shm_io.publish(self.events, frames, refs)
                     case AppendLog(parts, t_list, frames, at):

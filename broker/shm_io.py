@@ -122,23 +122,34 @@ class ShmIO:
     def to_log(self, t_list: list, frames: list) -> tuple[list, list]:
         return wire.inline_descs(t_list, frames, self.mapper)
 
-    def publish(self, sock: zmq.Socket, frames: list, refs: bool = False) -> None:
+    def publish(self, sock: zmq.Socket, frames: list, refs: bool = False,
+                keep: bool = False) -> list | None:
         """One event. A partition's UPDATE goes to each of its two topics that has
         subscribers, its board blocks (``refs``: it came from a shard that may reference its
-        board) copied into frames for the ``p`` one; every other event as it is."""
+        board) copied into frames for the ``p`` one; every other event as it is. ``keep``:
+        the UPDATE is also cached for conflated delivery: returns it with its board blocks
+        copied into frames (copied once for both), or None when the shard rewrote one
+        before it was read whole."""
         topic = frames[0]
         if topic[:1] != b"p":
             sock.send_multipart(frames, copy=False)
-            return
+            return frames
         shm_topic = b"r" + topic[1:]
         if self._followed(shm_topic):
             sock.send_multipart([shm_topic, *frames[1:]], copy=False)
-        if self._followed(topic):
+        if not (keep or self._followed(topic)):
+            return frames
+        try:
             out = wire.inline_refs(frames, 1, self.mapper, True) if refs else frames
-            if out is None:      # the shard rewrote a block first: those subscribers re-snapshot
-                self.stats["shm_torn_inline"] += 1
-                return
+        except WireError as e:     # its board is gone (the shard died): as if rewritten
+            log.warning("shared memory: an update's %s", e)
+            out = None
+        if out is None:      # the shard rewrote a block first: those subscribers re-snapshot
+            self.stats["shm_torn_inline"] += 1
+            return None
+        if self._followed(topic):
             sock.send_multipart(out, copy=False)
+        return out
 
     def _followed(self, topic: bytes) -> bool:
         """Some subscription matches ``topic`` (ZeroMQ matches by prefix: ``b""`` follows

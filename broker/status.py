@@ -39,6 +39,13 @@ _BROKER_COUNTERS = (
      "Local links closed at once: a bad introduction, a live shard's identity, too many links."),
     ("links_impersonated", "links_impersonated",
      "Messages on the backend socket under the identity of a shard's open local link: dropped."),
+    ("delivered_updates", "deliveries",
+     "UPDATEs sent to clients that follow partitions by conflated delivery (frames readers)."),
+    ("delivered_bytes", "delivered_bytes",
+     "Tensor bytes in those UPDATEs."),
+    ("updates_skipped", "updates_skipped",
+     "Published UPDATEs a conflated follower skipped (it had not read what it held): each "
+     "is one follower's copy not sent."),
     ("shm_fallbacks", "shm_relay_full",
      "Batches that should have gone to shards through shared memory and went as frames: the "
      "broker's ring had no room (or /dev/shm none for a new segment)."),
@@ -146,6 +153,9 @@ def metrics(core, now: float) -> dict:
         "gradbus_broker_shm_exhausted": stats.gauge(
             "1 once /dev/shm refused the broker a segment (its probe, or its relay ring): "
             "those bytes go as frames from then on.", int(c.get("shm_exhausted", 0) > 0)),
+        "gradbus_broker_delivery_cache_bytes": stats.gauge(
+            "Bytes in conflated delivery's last-value caches (at most one value per block of "
+            "the partitions frames readers follow).", core.delivery.cache_bytes()),
         "gradbus_broker_partitions_down": stats.gauge(
             "Partitions with no live primary.", len(core.table.down())),
         "gradbus_broker_under_replicated_partitions": stats.gauge(

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import replies, specs, wire
+from . import follow, replies, specs, wire
 from .errors import Code, WireError
+from .follow import Credit, Follow  # noqa: F401  (re-exported: conflated delivery's kinds)
 from .nested import (  # noqa: F401  (re-exported: the nested types handlers match on)
     MAX_SHARD_ID,
     MAX_TOKEN,
@@ -154,6 +155,7 @@ class Update(Tensors):
     seq: int
     epoch: int
     t: list
+    since: int | None = None    # conflated delivery: it holds every block changed after it
 
 
 # ------------------------------------------------------------------ frontend requests
@@ -400,7 +402,9 @@ def _update(h, P):
     if p < 0 or seq < 0 or epoch < 0:
         raise WireError(Code.BAD_FIELD, f"update: p, seq and epoch must be >= 0, not "
                                         f"{p}, {seq}, {epoch}")
-    return Update(p, seq, epoch, h.get("t", []))
+    since = h.get("since")
+    return Update(p, seq, epoch, h.get("t", []),
+                  since if since.__class__ is int and since >= 0 else None)
 
 
 def _init(h, P):
@@ -546,6 +550,7 @@ _BUILD = {
     wire.SYNCED: lambda h, P: Synced(_p(h, P), h["seq"]),
     wire.DROP: lambda h, P: Drop(tuple(p for p in h["ps"] if type(p) is int)),
     **replies.BUILD,
+    **follow.BUILD,
 }
 assert _BUILD.keys() == wire.SCHEMA.keys()
 

@@ -71,6 +71,7 @@ CHECKPOINT, CHECKPOINT_REPLY = "checkpoint", "checkpoint_reply"
 ADMIN, ADMIN_REPLY, STOP = "admin", "admin_reply", "stop"   # rebalance, drain; a drained shard
 ROWS, ROWS_REPLY = "rows", "rows_reply"                      # reads of embedding table rows
 FREE = "free"                     # push slots in shared memory the broker no longer needs
+FOLLOW, CREDIT = "follow", "credit"   # conflated delivery: partitions followed, reads done
 
 ACKS_ALL = -1                     # the wire value of acks="all"
 
@@ -119,10 +120,12 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     STOP: {},
     CHECKPOINT_REPLY: {"req": (_INT, True), "shard": (_STR, True)},
     TABLE: {"version": (_INT, True), "owners": (_LIST, True)},
+    FOLLOW: {"ps": (_LIST, True)},
+    CREDIT: {"ps": (_LIST, True), "seqs": (_LIST, True)},
 }
 
 FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, ROWS, CATALOG, STATUS, DIGEST,
-                            CHECKPOINT, ADMIN, HEARTBEAT, BYE})
+                            CHECKPOINT, ADMIN, HEARTBEAT, BYE, FOLLOW, CREDIT})
 BACKEND_KINDS = frozenset({REGISTER, HEARTBEAT, APPLIED, SNAPSHOT_REPLY, ROWS_REPLY, STATE,
                            SYNCED, DIGEST_REPLY, CHECKPOINT_REPLY, ERROR, BYE})
 SHARD_KINDS = frozenset({REGISTERED, HEARTBEAT, BATCH, SNAPSHOT, ROWS, ADOPT, STATE_REQ, STATE,

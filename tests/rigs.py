@@ -445,7 +445,7 @@ def make_agent_state(welcome=None, resend: ResendTimer | None = None, window: in
     clock = AgentClock()
     cond = threading.Condition()
     state = AgentState(welcome if welcome is not None else {"partitions": 4},
-                       cache=WeightCache(4), cond=cond, credit=CreditWindow(window, 1 << 20, cond),
+                       cache=WeightCache(4, conflated=True), cond=cond, credit=CreditWindow(window, 1 << 20, cond),
                        versions=Versions(), stats=collections.Counter(),
                        next_id=itertools.count(1).__next__,
                        max_tensor_bytes=wire.MAX_TENSOR_BYTES, resend=resend, clock=clock)

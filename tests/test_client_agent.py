@@ -128,17 +128,22 @@ def test_a_restarted_broker_gets_every_unsettled_push_request_and_read_again_at_
     state.command(Request(90, cat, Future()))
     read = Future()
     state.command(Track([TensorLayout("w", "float32", (6,), 2)], read))
-    asked = [wire.unpack_header(x.frames[0], frozenset({wire.SNAPSHOT, wire.CATALOG}))
-             for x in state.take() if isinstance(x, Send)]
-    assert [h["kind"] for h in asked] == [wire.CATALOG, wire.SNAPSHOT]
+    kinds = frozenset({wire.SNAPSHOT, wire.CATALOG, wire.FOLLOW})
+    asked = [wire.unpack_header(x.frames[0], kinds) for x in state.take() if isinstance(x, Send)]
+    assert [h["kind"] for h in asked] == [wire.CATALOG, wire.FOLLOW, wire.SNAPSHOT]
     clock.t += 1.0
     assert _event(state, wire.TOPIC_HEARTBEAT, wire.HEARTBEAT, run=11) == []   # the same one
     out = _event(state, wire.TOPIC_HEARTBEAT, wire.HEARTBEAT, run=12)
     assert resent(out, a) == 1 and resent(out, b) == 0 and resent(out, cat) == 1
-    snaps = [wire.unpack_header(x.frames[0], frozenset({wire.SNAPSHOT})) for x in out
+    again = [wire.unpack_header(x.frames[0], kinds) for x in out
              if isinstance(x, Send) and x.frames is not a and x.frames is not cat]
-    assert len(snaps) == 1 and snaps[0]["keys"] == asked[1]["keys"]
-    assert snaps[0]["req"] != asked[1]["req"] and state.req_futures[snaps[0]["req"]] is read
+    # the new broker is told first what this client follows (conflated delivery), then the
+    # read in flight goes again
+    assert [h["kind"] for h in again] == [wire.FOLLOW, wire.SNAPSHOT]
+    assert again[0]["ps"] == sorted(asked[1]["ps"])
+    snaps = again[1:]
+    assert snaps[0]["keys"] == asked[2]["keys"]
+    assert snaps[0]["req"] != asked[2]["req"] and state.req_futures[snaps[0]["req"]] is read
     assert state.stats["broker_restarts"] == 1 and state.stats["restart_resends"] == 1
     assert _event(state, wire.TOPIC_HEARTBEAT, wire.HEARTBEAT, run=12) == []
     clock.t += 4.9                         # the resend timer counts from the restart's send
@@ -264,17 +269,21 @@ def test_the_clients_heartbeats_follow_the_clock():
 
 
 # -- commands and shutdown ---------------------------------------------------------------
-def test_track_subscribes_then_snapshots():
-    from gradbus.codecs.partition import TensorLayout
+def test_track_follows_then_snapshots():
+    """A client that reads weights as frames follows the partitions by conflated delivery:
+    FOLLOW on its DEALER (no topic on the events socket), then the snapshot."""
+    from gradbus.codecs.partition import TensorLayout, partition_of
     state, _ = make_state()
     fut = Future()
     state.command(Track([TensorLayout("w", "float32", (6,), 2)], fut))
     out = state.take()
-    subs = [a for a in out if isinstance(a, Subscribe)]
-    snaps = [wire.unpack_header(a.frames[0], frozenset({wire.SNAPSHOT}))
-             for a in out if isinstance(a, Send)]
-    assert subs and len(snaps) == 1 and sorted(snaps[0]["keys"]) == ["w/0", "w/1", "w/2"]
-    assert not fut.done() and snaps[0]["req"] in state.req_futures
+    assert not [a for a in out if isinstance(a, Subscribe)]
+    sent = [wire.unpack_header(a.frames[0], frozenset({wire.SNAPSHOT, wire.FOLLOW}))
+            for a in out if isinstance(a, Send)]
+    assert [h["kind"] for h in sent] == [wire.FOLLOW, wire.SNAPSHOT]
+    assert sorted(sent[0]["ps"]) == sorted({partition_of(f"w/{i}", 4) for i in range(3)})
+    assert sorted(sent[1]["keys"]) == ["w/0", "w/1", "w/2"]
+    assert not fut.done() and sent[1]["req"] in state.req_futures
     state.validate_state()
 
 

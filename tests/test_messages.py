@@ -103,8 +103,11 @@ SAMPLES = {
                                    "tr": {"emb": [1, 16]}}], "shard": "s0"},
                    lambda m: m.shard == "s0" and m.parts[0] == messages.AppliedPart(
                        1, 2, 1, [[0, "BAD_SHAPE", "x"]], {"w/0": 3}, -1, True, {"emb": [1, 16]})),
-    wire.UPDATE: ([DESC], {"p": 1, "seq": 2, "epoch": 3},
-                  lambda m: (m.p, m.seq, m.epoch, m.t) == (1, 2, 3, [DESC])),
+    wire.UPDATE: ([DESC], {"p": 1, "seq": 2, "epoch": 3, "since": 1},
+                  lambda m: (m.p, m.seq, m.epoch, m.t, m.since) == (1, 2, 3, [DESC], 1)),
+    wire.FOLLOW: ([], {"ps": [3, 1]}, lambda m: m.ps == (3, 1)),
+    wire.CREDIT: ([], {"ps": [3, 1], "seqs": [7, 0], "again": True},
+                  lambda m: (m.ps, m.seqs, m.again) == ((3, 1), (7, 0), True)),
     wire.TABLE: ([], {"version": 2, "owners": ["s0", ""], "standbys": [["s1"], []],
                       "epochs": [1, 0], "down": [1]},
                  lambda m: (m.version, m.owners, m.standbys, m.epochs, m.down)
@@ -163,6 +166,10 @@ def test_optional_fields_of_the_wrong_type_are_absent():
     assert m.hb is None and m.down == ()
     m = messages.unpack(wire.pack(wire.HEARTBEAT, ps=[1], seqs=[1, 2]), ALL)
     assert m.ps is None and m.seqs is None
+    m = messages.unpack(wire.pack(wire.UPDATE, p=1, seq=2, epoch=1, since=-1), ALL)
+    assert m.since is None         # then the previous seq, as for every update on events
+    m = messages.unpack(wire.pack(wire.CREDIT, ps=[1], seqs=[2], again="yes"), ALL)
+    assert m.again is False
     ent = {"op": "push", "i": 0, "c": 5, "m": "x", "ts": "t", "w": 1.5}
     m = messages.unpack(wire.pack(wire.BATCH, [DESC], parts=[
         {"p": 0, "seq": 1, "epoch": 1, "o": 7, "e": [ent]}]), ALL)
@@ -245,6 +252,13 @@ BAD = {   # name -> (kind, descriptors, fields, code, words the message must hol
                         Code.BAD_FIELD, "init_ok: created"),
     "table owners": (wire.TABLE, [], {"version": 1, "owners": [None]}, Code.BAD_FIELD,
                      "table: owners"),
+    "follow ps range": (wire.FOLLOW, [], {"ps": [16]}, Code.BAD_FIELD, "follow: ps"),
+    "follow ps twice": (wire.FOLLOW, [], {"ps": [2, 2]}, Code.BAD_FIELD, "follow: ps"),
+    "credit seqs": (wire.CREDIT, [], {"ps": [1], "seqs": [-1]}, Code.BAD_FIELD,
+                    "credit: seqs"),
+    "credit lengths": (wire.CREDIT, [], {"ps": [1, 2], "seqs": [1]}, Code.BAD_FIELD,
+                       "credit: seqs must be as long"),
+    "credit ps": (wire.CREDIT, [], {"ps": ["1"], "seqs": [1]}, Code.BAD_FIELD, "credit: ps"),
 }
 
 

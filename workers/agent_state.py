@@ -14,6 +14,14 @@ out (:meth:`ReadState.resolved`); one rewritten before it was read whole, or a b
 ``SHM_TORN`` answer, is asked again under a new id, with frames (``shm: false``), for the same
 waiter (:meth:`ReadState.reask`): a reader never sees bytes other than the reply's.
 
+A client that reads weights as frames (no shared memory: another host, or shared memory off)
+follows its partitions by conflated delivery (protocol section 22) over its DEALER, not the
+events socket: it sends FOLLOW before it snapshots them, and a CREDIT when its application
+reads them (:class:`~.commands.Read`), except for a read of partitions it pushed to since its
+last read of them (its own push's weights answer that read); the broker sends each credited
+partition the newest UPDATE, and skips the versions nobody read. A credit still unanswered
+while two heartbeats name a newer seq is granted again (``again``): what answered it was lost.
+
 Broker silence is judged with the broker's own heartbeat interval, as WELCOME names it (``hb``;
 the default interval for a broker that does not say): silent after ``LIVENESS`` intervals
 without a heartbeat or reply, and never sooner than with the default interval (a broker
@@ -41,7 +49,17 @@ from gradbus.codecs.errors import Code, WireError, error_from
 
 from .actions import Send, Subscribe, Unsubscribe
 from .cache import LiveBlock
-from .commands import Forward, ReadRows, Refresh, Request, SendMessage, Stop, Track, Watch
+from .commands import (
+    Forward,
+    Read,
+    ReadRows,
+    Refresh,
+    Request,
+    SendMessage,
+    Stop,
+    Track,
+    Watch,
+)
 from .reads_state import ReadState
 from .resend import ResendTimer
 
@@ -87,6 +105,13 @@ class AgentState:
         self.shm = shm                              # a ClientShm, or None: frames only
         self.topic = wire.topic_partition_shm if shm is not None else wire.topic_partition
         self.followed: set[int] = set()             # partitions whose updates we subscribe to
+        # conflated delivery (frames clients): credits granted and not yet answered (p -> the
+        # seq held then), partitions pushed to since their last read, credited partitions a
+        # heartbeat named a newer seq of once
+        self.conflated = shm is None
+        self.credits: dict[int, int] = {}
+        self.pushed: set[int] = set()
+        self.behind: set[int] = set()
         self.watched: dict[int, int] = {}           # live partition -> pulls waiting on it
         self._hb = wire.pack(wire.HEARTBEAT, **({"shm": True} if shm is not None else {}))
         if shm is not None:     # the broker learns at once that replies may reference shards'
@@ -105,6 +130,8 @@ class AgentState:
                 hops.stamp("agent_send", cmd.msg)
             if cmd.future is not None:
                 self.msg_futures[cmd.msg] = cmd.future
+            if cmd.parts and self.conflated:
+                self.pushed.update(cmd.parts)
             if self.resend is not None:
                 self.resend.sent(cmd.msg, cmd.frames, self.clock())
             if not cmd.sent:
@@ -120,12 +147,18 @@ class AgentState:
             self.reads.rows(cmd.req, cmd.frames)
             self.out.append(Send(cmd.frames))
         elif t is Track:
-            keys = []
+            keys, new = [], []
             for layout in cmd.layouts:
                 new_parts, ks = self.cache.track(layout)
-                for p in new_parts:
-                    self._follow(p, True)
+                new += new_parts
                 keys += ks
+            if self.conflated:      # followed first, then snapshot (the Clone pattern)
+                if new:
+                    self.followed.update(new)
+                    self.out.append(Send([wire.pack(wire.FOLLOW, ps=new)]))
+            else:
+                for p in new:
+                    self._follow(p, True)
             if keys:
                 self._snapshot(keys, cmd.future)
             else:
@@ -147,6 +180,8 @@ class AgentState:
             if cmd.on:      # a change that came before the subscription took hold is seen
                 with self.cond:
                     self.cond.notify_all()
+        elif t is Read:
+            self._read(cmd.parts, cmd.seqs, cmd.waiting)
         elif t is Stop:
             self.stopped = True
         else:
@@ -161,6 +196,54 @@ class AgentState:
         elif not on and p in self.followed:
             self.followed.discard(p)
             self.out.append(Unsubscribe(self.topic(p)))
+
+    def _read(self, parts, seen, waiting: bool) -> None:
+        """The application read (``waiting``: waits for newer) weights of ``parts`` at seqs
+        ``seen``: a credit for each followed one that has none unanswered and received
+        nothing since (what came is unread yet, or wakes the waiter), unless it read a
+        partition it pushed to since its last read of it (the push's own weights answered
+        that read)."""
+        if not self.conflated:
+            return
+        ps, seqs = [], []
+        for p, at in zip(parts, seen):
+            if p not in self.followed:
+                continue
+            if not waiting and p in self.pushed:
+                self.pushed.discard(p)
+                continue
+            part = self.cache.parts.get(p)
+            if p in self.credits or part is None or part.resync or part.last_seq != at:
+                continue         # an answer (or the snapshot) is on its way, or came
+            self.credits[p] = part.last_seq
+            ps.append(p)
+            seqs.append(part.last_seq)
+        if ps:
+            self.stats["credits"] += len(ps)
+            self.out.append(Send([wire.pack(wire.CREDIT, ps=ps, seqs=seqs)]))
+
+    def _unanswered(self, ps, seqs) -> None:
+        """An events heartbeat's last published seqs: a credit unanswered though a newer seq
+        was published, at two heartbeats in a row, lost its answer: granted again."""
+        again, have = [], []
+        for p, seq in zip(ps, seqs):
+            held = self.credits.get(p)
+            if held is None or seq <= held:
+                continue
+            if p not in self.behind:
+                self.behind.add(p)
+                continue
+            self.behind.discard(p)
+            part = self.cache.parts.get(p)
+            if part is None or part.resync:
+                del self.credits[p]       # the snapshot on its way answers it
+                continue
+            self.credits[p] = part.last_seq
+            again.append(p)
+            have.append(part.last_seq)
+        if again:
+            self.stats["credits_again"] += len(again)
+            self.out.append(Send([wire.pack(wire.CREDIT, ps=again, seqs=have, again=True)]))
 
     def went_live(self) -> None:
         """Partitions a snapshot made live: their updates are no longer followed."""
@@ -246,6 +329,8 @@ class AgentState:
             self.reads.on_snapshot(m, frames[1:])
         elif kind == wire.ROWS_REPLY:
             self.reads.on_rows(m, frames[1:])
+        elif kind == wire.UPDATE:         # conflated delivery
+            self._on_update(m, frames[1:])
         elif kind in (wire.CATALOG_REPLY, wire.STATUS_REPLY) or (kind == wire.ERROR
                                                                  and m.req is not None):
             self._answer(kind, m)
@@ -387,7 +472,7 @@ class AgentState:
         elif topic == wire.TOPIC_HEARTBEAT:
             self._on_heartbeat(messages.unpack(frames[1], _HEARTBEAT))
         elif topic[:1] in (b"p", b"r"):
-            self._on_update(frames)
+            self._on_update(messages.unpack(frames[1], _UPDATE), frames[2:])
 
     def _on_heartbeat(self, h) -> None:
         self.stats["broker_heartbeats"] += 1
@@ -401,6 +486,8 @@ class AgentState:
                 behind = self.cache.on_heartbeat(h.ps, h.seqs)
             for p in behind:
                 self._resnapshot(p)
+            if self.credits:
+                self._unanswered(h.ps, h.seqs)
 
     def _run(self, run: int | None) -> None:
         """The run id an event named (None: none)."""
@@ -413,6 +500,11 @@ class AgentState:
         """Another broker process answers now: what the one before held is gone. Send every
         unsettled push and init, every unanswered request, and every read in flight again."""
         self.stats["broker_restarts"] += 1
+        if self.conflated and self.followed:     # followed again first, then snapshot
+            self.credits.clear()
+            self.behind.clear()
+            self.pushed.clear()
+            self.out.append(Send([wire.pack(wire.FOLLOW, ps=sorted(self.followed))]))
         n = 0
         if self.resend is not None:
             for frames in self.resend.all_now(self.clock()):
@@ -426,13 +518,17 @@ class AgentState:
             self.reads.reask(req, frames=False)
         with self.cond:
             live = self.cache.forget_table()
-        for p in live:          # their primary may be another shard now, with another board
-            self._resnapshot(p)
+        for p in live:   # a live one's primary may be another shard now, with another board;
+            self._resnapshot(p)       # a conflated one's delivery starts again
         log.info("the broker restarted: %d pushes or inits, %d requests and %d reads sent "
                  "again", n, len(self.req_frames), len(reads))
 
-    def _on_update(self, frames) -> None:
-        h = messages.unpack(frames[1], _UPDATE)
+    def _on_update(self, h, tensors) -> None:
+        """An UPDATE (``tensors``: its tensor frames), from the events socket or, by conflated
+        delivery, the DEALER."""
+        if self.conflated:       # whatever came for p answers its credit
+            self.credits.pop(h.p, None)
+            self.behind.discard(h.p)
         part = self.cache.parts.get(h.p)
         if part is None:
             return
@@ -447,7 +543,6 @@ class AgentState:
                 self.stats["live_boards_stale"] += 1
                 self._resnapshot(h.p)
             return
-        tensors = frames[2:]
         held = self.shm.board_blocks(h.t, tensors, self.max_tensor_bytes) \
             if self.shm is not None else None
         if held is not None:       # left in the boards, read when a pull needs them
@@ -458,7 +553,7 @@ class AgentState:
         else:
             blocks = self.decode_blocks(h, tensors, part.keys)
         with self.cond:
-            gap = self.cache.on_update(h.p, h.seq, blocks)
+            gap = self.cache.on_update(h.p, h.seq, blocks, h.since)
             self.cond.notify_all()
         self.stats["updates_received"] += 1
         self.stats["recv_bytes"] += sum(wire.frame_len(f) for f in tensors)

@@ -12,6 +12,12 @@ the blocks). A tensor read whose blocks did not change since the last read is th
 again (kept by the cache where the blocks are board references, else only while the caller
 holds it).
 
+A client that reads weights as frames follows its partitions by conflated delivery (protocol
+section 22): its UPDATEs name ``since``, the seq they follow on from, and versions in between
+are skipped, not lost; an UPDATE applies when ``since <= last seq < seq`` and one whose
+``since`` is above the last seq is a gap. Such a cache (``conflated``) is behind the broker's
+heartbeats by design and does not re-snapshot for it.
+
 A partition whose snapshot named, for every block followed, where its shard's board keeps the
 block's newest version (a *live* partition: its blocks are :class:`LiveBlock`) needs no
 updates at all: a read takes the newest version there, and a block's version is read from the
@@ -38,7 +44,7 @@ class Part:
     resync: bool = True           # a snapshot of every tracked key is in flight
     live: bool = False            # every key a LiveBlock: read from the board, no stream
     keys: set = field(default_factory=set)
-    buffered: list = field(default_factory=list)
+    buffered: list = field(default_factory=list)     # (seq, since, blocks)
     # keys added to a partition already in sync, whose snapshot is in flight: the newest update
     # seen for each meanwhile, (seq, array, version), applied if newer than the snapshot
     pending: dict = field(default_factory=dict)
@@ -109,9 +115,11 @@ class Block:
 
 
 class WeightCache:
-    def __init__(self, partitions: int):
+    def __init__(self, partitions: int, conflated: bool = False):
         self.P = partitions
+        self.conflated = conflated      # followed by conflated delivery: skips are no gaps
         self.layouts: dict[str, TensorLayout] = {}
+        self.name_parts: dict[str, tuple] = {}     # name -> the partitions of its blocks
         self.blocks: dict[str, Block] = {}
         self.parts: dict[int, Part] = {}
         self.down: set[int] = set()
@@ -128,6 +136,8 @@ class WeightCache:
     def track(self, layout: TensorLayout) -> tuple[list[int], list[str]]:
         """Start following a tensor. Returns (partitions to subscribe, keys to snapshot)."""
         self.layouts[layout.name] = layout
+        self.name_parts[layout.name] = tuple(sorted(
+            {partition_of(k, self.P) for k in layout.block_keys()}))
         new_parts, keys = [], []
         for key in layout.block_keys():
             p = partition_of(key, self.P)
@@ -147,7 +157,12 @@ class WeightCache:
         return layout is not None and all(k in self.blocks for k in layout.block_keys())
 
     def partitions_of(self, name: str) -> set[int]:
-        return {partition_of(k, self.P) for k in self.layouts[name].block_keys()}
+        return set(self.name_parts[name])
+
+    def parts_of(self, names) -> tuple:
+        """The partitions the blocks of tensors ``names`` (followed ones) are in."""
+        np_ = self.name_parts
+        return tuple(sorted({p for n in names if n in np_ for p in np_[n]}))
 
     # -- events --------------------------------------------------------------------------
     def on_snapshot(self, parts: dict, blocks) -> list[int]:
@@ -184,28 +199,30 @@ class WeightCache:
                 continue
             part.live = False
             pending, part.buffered = part.buffered, []
-            for useq, ublocks in sorted(pending, key=lambda x: x[0]):
-                if self.on_update(part.p, useq, ublocks):
+            for useq, since, ublocks in sorted(pending, key=lambda x: x[0]):
+                if self.on_update(part.p, useq, ublocks, since):
                     again.append(part.p)
                     break
         return again
 
-    def on_update(self, p: int, seq: int, blocks) -> bool:
-        """Apply one partition update. Returns True when a gap means a new snapshot is needed."""
+    def on_update(self, p: int, seq: int, blocks, since: int | None = None) -> bool:
+        """Apply one partition update (``since``: conflated delivery's, the seq it follows
+        on from; None, the previous seq). Returns True when a gap means a new snapshot is
+        needed."""
         part = self.parts.get(p)
         if part is None or part.live:
             return False
         if part.resync:
             if len(part.buffered) < UPDATE_BUFFER:
-                part.buffered.append((seq, blocks))
+                part.buffered.append((seq, since, blocks))
             return False
         if seq <= part.last_seq:
             self.stats["stale_updates"] += 1
             return False
-        if seq > part.last_seq + 1:
+        if (seq - 1 if since is None else since) > part.last_seq:
             self.stats["gaps"] += 1
             part.resync = True
-            part.buffered = [(seq, blocks)]
+            part.buffered = [(seq, since, blocks)]
             return True
         new = {}
         for key, arr, ver, base in blocks:
@@ -240,6 +257,8 @@ class WeightCache:
         """The broker's last published seq per partition. Returns in-sync partitions that are
         behind it (their tail was dropped); they are put in resync."""
         behind = []
+        if self.conflated:      # behind by design; a credit unanswered is the agent's to ask
+            return behind
         for p, seq in zip(ps, seqs):
             part = self.parts.get(p)
             if part is not None and not part.resync and not part.live and part.last_seq < seq:
@@ -271,9 +290,12 @@ class WeightCache:
         """Another broker process answers now: the partition table the live partitions were
         read under may be another (a restarted broker takes each partition from the first
         shard that names it). Every live partition goes back to resync, and the next TABLE is
-        taken as the first. Returns them."""
+        taken as the first. Returns them. A conflated cache's partitions go back to resync
+        too, each one: the new broker knows nothing of what this client holds, and a
+        partition's delivery starts again from a snapshot taken after it follows it."""
         self.epochs = None
-        out = [p for p, part in self.parts.items() if part.live and not part.resync]
+        out = [p for p, part in self.parts.items()
+               if (part.live or self.conflated) and not part.resync]
         for p in out:
             self.parts[p].resync = True
         return out

@@ -41,7 +41,7 @@ from gradbus.codecs.partition import DEFAULT_BLOCK_BYTES, TensorLayout, block_el
 from .agent import Agent
 from .agent_state import AgentState
 from .cache import WeightCache
-from .commands import Refresh, Request, SendMessage, Stop, Track, Watch
+from .commands import Read, Refresh, Request, SendMessage, Stop, Track, Watch
 from .credit import CreditWindow
 from .pipeline import PushPipeline
 from .push_ops import PushMethods
@@ -122,7 +122,9 @@ class Client(PushMethods, TableMethods):
                                 curve=self.curve)
             self.shm = ClientShm.offered(welcome, shmem.wanted(shm), window_bytes)
             self.partitions = welcome["partitions"]
-            self.cache = self.pipeline.cache = WeightCache(self.partitions)
+            # weights read as frames are followed by conflated delivery (no shared memory)
+            self.cache = self.pipeline.cache = WeightCache(self.partitions,
+                                                           conflated=self.shm is None)
             self.cache.down = set(welcome.get("down") or [])
             self.state = AgentState(
                 welcome, cache=self.cache, cond=self._cond, credit=self.credit,
@@ -317,6 +319,7 @@ class Client(PushMethods, TableMethods):
                     got = {n: (out[n] if self.cache.read_into(n, out[n]) else None)
                            if n in out else self.cache.tensor(n) for n in names}
                     if all(v is not None for v in got.values()):
+                        self._read(names, False)
                         for n in names:
                             self.versions.pulled[n] = self.cache.version(n)
                             if self._rewritten:
@@ -329,6 +332,8 @@ class Client(PushMethods, TableMethods):
                     live = self.cache.live_parts(names)
                     if live:
                         return live
+                if ready:       # behind: a credit for newer weights (conflated delivery)
+                    self._read(names, True)
                 if ready and not refreshed and any(self.cache.unreadable_live(n)
                                                    for n in names):
                     refreshed = True     # a live block's board slot is gone: find it again
@@ -366,6 +371,19 @@ class Client(PushMethods, TableMethods):
                 self.stats["board_refreshes"] += 1
                 self.agent.submit(Refresh(self.cache.stale_keys(n)))
 
+    def _read(self, names, waiting: bool) -> None:
+        """The application read tensors ``names`` (``waiting``: waits for newer), under the
+        condition: a client that follows them by conflated delivery grants the broker
+        credits for them."""
+        if not self.state.conflated:
+            return
+        parts = self.cache.parts_of(names)
+        if parts:
+            seqs = tuple(self.cache.parts[p].last_seq for p in parts)
+            with self._lock:
+                if not self._closed:
+                    self.agent.submit(Read(parts, seqs, waiting))
+
     @property
     def broker_alive(self) -> bool:
         """False once the broker has been silent (no heartbeat, no reply) past its liveness."""
@@ -374,11 +392,14 @@ class Client(PushMethods, TableMethods):
     def version(self, name: str) -> int:
         """Gradients applied to ``name`` in the freshest weights this client holds (-1 until it
         holds every block). UnknownKeyError for a name this client does not follow."""
-        try:
-            return self.cache.version(name)
-        except KeyError:
-            raise error_from(Code.UNKNOWN_KEY.value,
-                             f"{name!r} is not followed by this client (pull it first)") from None
+        with self._cond:
+            try:
+                v = self.cache.version(name)
+            except KeyError:
+                raise error_from(Code.UNKNOWN_KEY.value, f"{name!r} is not followed by this "
+                                                         "client (pull it first)") from None
+            self._read((name,), False)
+        return v
 
     def flush(self, timeout: float | None = None) -> None:
         """Send what local accumulation holds back, then wait until every push sent so far is

@@ -19,6 +19,8 @@ class SendMessage:
     frames: list
     future: Future | None
     sent: bool = False
+    parts: frozenset = frozenset()   # the partitions a push carries blocks of (conflated
+                                     # delivery: its own weights come back for them)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +72,20 @@ class Watch:
 
 
 @dataclass(frozen=True, slots=True)
+class Read:
+    """The application read (or, ``waiting``, waits to read newer) weights of partitions
+    ``parts``, holding seq ``seqs`` of each: a client that follows them by conflated delivery
+    grants the broker a credit for each that received nothing since (protocol section 22)."""
+    parts: tuple
+    seqs: tuple
+    waiting: bool
+    future: None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Stop:
     """End the agent thread."""
     future: None = None
 
 
-Command = SendMessage | Forward | Request | ReadRows | Track | Refresh | Watch | Stop
+Command = SendMessage | Forward | Request | ReadRows | Track | Refresh | Watch | Read | Stop

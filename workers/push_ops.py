@@ -12,6 +12,7 @@ import numpy as np
 
 from gradbus.codecs import device, hops, wire
 from gradbus.codecs import tensor as tcodec
+from gradbus.codecs.partition import partition_of
 
 from .commands import Forward, SendMessage
 
@@ -19,7 +20,7 @@ from .commands import Forward, SendMessage
 class PushMethods:
     """Needs from the class it is mixed into: ``_layouts``, ``_check_open``, ``_lock``,
     ``_ids``, ``agent``, ``state``, ``credit``, ``cache``, ``versions``, ``pipeline``,
-    ``shm``, ``codec``, ``timeout``, ``stats``."""
+    ``shm``, ``codec``, ``timeout``, ``stats``, ``partitions``."""
 
     def push(self, grads: dict, codec: str | None = None, acks: int | str = 1,
              version: int | None = None, timeout: float | None = None) -> Future:
@@ -130,6 +131,9 @@ class PushMethods:
         if t_in is not None:
             hops.stamp("push", msg, t_in)
         fut: Future = Future()
+        # conflated delivery: the push's own weights come back for these partitions
+        parts = frozenset(partition_of(d["k"], self.partitions) for d in descs
+                          if "ids" not in d) if self.shm is None else frozenset()
         try:
             with self._lock:
                 self._check_open()
@@ -139,13 +143,15 @@ class PushMethods:
                 agent = self.agent
                 if agent.link is not None:
                     # written here, on the local link: the agent only notes it (not woken)
-                    agent.note(SendMessage(msg, frames, fut if acks else None, sent=True))
+                    agent.note(SendMessage(msg, frames, fut if acks else None, sent=True,
+                                           parts=parts))
                     if hops.ON:     # before the write: the broker may stamp its hop first
                         hops.stamp("agent_send", msg)
                     if not agent.direct(frames):
                         agent.submit(Forward(frames))
                 else:
-                    agent.submit(SendMessage(msg, frames, fut if acks else None))
+                    agent.submit(SendMessage(msg, frames, fut if acks else None,
+                                             parts=parts))
         except BaseException:
             self.credit.release((msg,))
             if self.shm is not None:

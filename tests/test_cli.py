@@ -73,6 +73,7 @@ def test_up_started_with_its_stop_signals_blocked_still_stops_on_sigterm():
     proc = subprocess.Popen([sys.executable, "-m", "gradbus", "up", "--shards", "1", "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_BLOCK, blocked))
+    kids: list[int] = []
     try:
         line = wait_for(lambda: proc.stdout.readline().strip(), 60, "ready line")
         assert line.startswith("ready: "), line
@@ -86,9 +87,15 @@ def test_up_started_with_its_stop_signals_blocked_still_stops_on_sigterm():
         for k in kids:
             wait_for(lambda k=k: _gone(k), 10, f"child {k} to exit")
     finally:
+        kids = [*kids, *_children(proc.pid)]
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for k in kids:       # what up started, should the test fail before up stopped it
+            try:
+                os.kill(k, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         proc.stdout.close()
 
 

@@ -75,11 +75,12 @@ def gradbus_segments(directory: str) -> list[str]:
 
 
 def zombie_or_gone(pid: int) -> bool:
-    """The process ``pid`` has exited (reaped or not)."""
+    """The process ``pid`` has exited (reaped or not). Reaped between the open and the read,
+    its stat file answers ESRCH."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split()[2] in ("Z", "X")
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
 
 

@@ -108,7 +108,7 @@ class AgentState:
         # conflated delivery (frames clients): credits granted and not yet answered (p -> the
         # seq held then), partitions pushed to since their last read, credited partitions a
         # heartbeat named a newer seq of once
-        self.conflated = shm is None
+        self.conflated = cache.conflated         # as the cache was made: no shared memory
         self.credits: dict[int, int] = {}
         self.pushed: set[int] = set()
         self.behind: set[int] = set()

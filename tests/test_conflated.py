@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 import gradbus
 
@@ -13,13 +14,15 @@ LR = 2.0 ** -4
 N = 1 << 14          # 64 KiB of float32: one block
 
 
-def test_workers_get_their_own_pushs_weights_not_every_update(make_cluster):
+@pytest.mark.parametrize("block_bytes", [N * 4, N])
+def test_workers_get_their_own_pushs_weights_not_every_update(make_cluster, block_bytes):
     """Three frames clients push 30 times each, acks=1, and pull the weights that include each
     push. Each receives about one update per own push (events would send it every worker's);
-    the known answer is exact."""
+    the known answer is exact. With four blocks, in several partitions, a pull that finds some
+    blocks new enough (their UPDATE came first) asks newer weights of the others only."""
     cluster = make_cluster(1, processes=False)
     W, pushes = 3, 30
-    with gradbus.connect(cluster.url, shm=False) as c0:
+    with gradbus.connect(cluster.url, shm=False, block_bytes=block_bytes) as c0:
         c0.init({"w": np.zeros(N, np.float32)}, optimizer=gradbus.SGD(lr=LR))
     barrier = threading.Barrier(W)
     stats, errors = [None] * W, []

@@ -164,6 +164,20 @@ class WeightCache:
         np_ = self.name_parts
         return tuple(sorted({p for n in names if n in np_ for p in np_[n]}))
 
+    def parts_behind(self, needs: dict) -> tuple:
+        """The partitions holding a block of a tensor below its needed version (``needs``:
+        name -> version): those a waiting read asks newer weights of."""
+        P, out = self.P, set()
+        for name, need in needs.items():
+            layout = self.layouts.get(name)
+            if layout is None:
+                continue
+            for k in layout.block_keys():
+                blk = self.blocks.get(k)
+                if blk is None or self._version(blk) < need:
+                    out.add(partition_of(k, P))
+        return tuple(sorted(out))
+
     # -- events --------------------------------------------------------------------------
     def on_snapshot(self, parts: dict, blocks) -> list[int]:
         """Apply a snapshot reply: ``parts`` {p: seq}, ``blocks`` [(key, array, version, base)]

@@ -332,8 +332,10 @@ class Client(PushMethods, TableMethods):
                     live = self.cache.live_parts(names)
                     if live:
                         return live
-                if ready:       # behind: a credit for newer weights (conflated delivery)
-                    self._read(names, True)
+                if ready:       # behind: a credit for newer weights (conflated delivery),
+                    # for the partitions with a block below the version needed only
+                    self._read(names, True, {n: self.versions.needed(n, min_version)
+                                             for n in names})
                 if ready and not refreshed and any(self.cache.unreadable_live(n)
                                                    for n in names):
                     refreshed = True     # a live block's board slot is gone: find it again
@@ -371,13 +373,15 @@ class Client(PushMethods, TableMethods):
                 self.stats["board_refreshes"] += 1
                 self.agent.submit(Refresh(self.cache.stale_keys(n)))
 
-    def _read(self, names, waiting: bool) -> None:
-        """The application read tensors ``names`` (``waiting``: waits for newer), under the
-        condition: a client that follows them by conflated delivery grants the broker
-        credits for them."""
+    def _read(self, names, waiting: bool, needs: dict | None = None) -> None:
+        """The application read tensors ``names`` (``waiting``: waits for the versions
+        ``needs``, name -> version), under the condition: a client that follows them by
+        conflated delivery grants the broker credits for them (waiting: for the partitions
+        behind only; one whose blocks are new enough has nothing to wait for)."""
         if not self.state.conflated:
             return
-        parts = self.cache.parts_of(names)
+        parts = (self.cache.parts_of(names) if needs is None
+                 else self.cache.parts_behind(needs))
         if parts:
             seqs = tuple(self.cache.parts[p].last_seq for p in parts)
             with self._lock:

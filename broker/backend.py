@@ -118,8 +118,9 @@ class ShardEvents:
         if s.key is None:
             s.key = key             # with CURVE, the name is this key's from now on
         s.token = h.token           # the process that holds the name now
+        bepoch = {"bepoch": self._core.broker_epoch} if self._core.broker_epoch else {}
         actions.append(ToShard(identity, [wire.pack(wire.REGISTERED, shard=sid,
-                                                    partitions=self.P, shm=s.shm)]))
+                                                    partitions=self.P, shm=s.shm, **bepoch)]))
         if rec.replay is not None:
             rec.replay_orphans()
         for p, seq in self.unpublished:      # copies taken over: caches cannot vouch for them

@@ -104,6 +104,10 @@ class BrokerCore:
         # this broker process's run id, in WELCOME and every events heartbeat: a client that
         # hears another one knows the broker restarted and sends again what it lost
         self.run = secrets.randbits(63)
+        # a broker pair's epoch (protocol section 23): in WELCOME and REGISTERED, recorded by
+        # every shard; 0 for a broker without a peer
+        self.broker_epoch = 0
+        self.pair_status = None     # the pair's role and epoch for STATUS (the loop sets it)
         self.meters = m = Meters()
         self.members = Membership(s)
         self.acked = AckMarks(partitions)      # p -> the newest (epoch, seq) answered for
@@ -257,7 +261,9 @@ class BrokerCore:
                                                   backend=self.ports["backend"],
                                                   partitions=self.P, down=self.table.down(),
                                                   hb=self.settings.heartbeat_interval,
-                                                  run=self.run, **shm)])]
+                                                  run=self.run, **shm,
+                                                  **({"bepoch": self.broker_epoch}
+                                                     if self.broker_epoch else {}))])]
         if kind == wire.STATUS:   # ops tools are not workers
             st = self.status(now)
             if m.table:

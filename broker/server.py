@@ -30,7 +30,7 @@ import zmq
 
 from gradbus.codecs import net, security, wire
 from gradbus.codecs import shm as shmem
-from gradbus.codecs.errors import WireError
+from gradbus.codecs.errors import Code, WireError
 
 from . import log as ulog
 from .actions import (
@@ -48,6 +48,8 @@ from .core import BrokerCore
 from .faults import FaultInjector
 from .flow import ByteCap
 from .links import CLIENT, SHARD, Links
+from .pair import Deposed, Pair
+from .pair_link import PairLink
 from .shm_io import ShmIO
 
 log = logging.getLogger("gradbus.broker")
@@ -67,11 +69,14 @@ class BrokerServer:
                  events_port: int = 0, batch_window: float = 0.0, clock=time.monotonic,
                  ctx: zmq.Context | None = None, curve: security.Curve | None = None,
                  on_metrics=None, log: ulog.UpdateLog | None = None, fault_drop: float = 0.0,
-                 fault_seed: int = 0, shm: bool | None = None, **core_kw):
+                 fault_seed: int = 0, shm: bool | None = None, peer: str | None = None,
+                 peer_port: int = 0, pair: Pair | None = None, **core_kw):
         """``log``: the update log to write (batches, as they go out); ``shm``: offer shared
         memory to clients and shards on this host (None: ``$GRADBUS_SHM``, else on);
-        ``core_kw``: the core's (partitions, replay, and the fields of
-        :class:`~.settings.Settings`)."""
+        ``peer``: the pair address of this broker's peer (a broker pair, protocol section
+        23), this broker's own bound on ``peer_port``; ``pair``: the pair state a deposed
+        broker's loop left (it starts again as the standby); ``core_kw``: the core's
+        (partitions, replay, and the fields of :class:`~.settings.Settings`)."""
         self.clock = clock
         self.on_metrics = on_metrics   # called with a metrics snapshot every tick
         self.batch_window = batch_window
@@ -108,6 +113,24 @@ class BrokerServer:
         self.core.catalog.pulse = self._pulse
         self.stopping = threading.Event()
         self.send_failures = 0
+        self.pair = self.pair_link = None
+        self.deposed: Deposed | None = None     # set when the loop ended deposed
+        if peer is not None:
+            if curve is not None or log is not None or core_kw.get("replay") is not None:
+                self.close()
+                raise ValueError("a broker pair (peer=) runs without CURVE and without an "
+                                 "update log for now")
+            s = self.core.settings
+            self.pair = pair or Pair(self.core.run, now=clock(),
+                                     heartbeat_interval=s.heartbeat_interval,
+                                     liveness=s.liveness)
+            self.pair.run = self.core.run
+            try:
+                self.pair_link = PairLink(self.ctx, host, peer_port, peer)
+            except BaseException:
+                self.close()
+                raise
+            self.core.pair_status = self.pair.status
 
     def _open(self, curve, port: int, backend_port: int, events_port: int) -> None:
         if curve is not None:
@@ -239,6 +262,8 @@ class BrokerServer:
 
     def _handle(self, handler, identity: bytes, frames: list, roles=None,
                 key: str | None = None) -> None:
+        if self.pair is not None and not self._pair_gate(handler, identity, frames):
+            return
         try:
             if roles is not None:
                 kw = {"key": key} if key is not None else {}
@@ -250,6 +275,72 @@ class BrokerServer:
             self.core.errors["INTERNAL"] += 1
             return
         self._do(actions)
+
+    # -- a broker pair (protocol section 23) ----------------------------------------------------
+    def _pair_gate(self, handler, identity: bytes, frames: list) -> bool:
+        """Whether a message goes on to the core: all do on the active broker but a shard's
+        FENCED (which may depose it); on the standby a shard's HELLO does, and a REGISTER
+        that makes it the active one. Everything else is answered NOT_ACTIVE."""
+        pair, backend = self.pair, handler == self.handlers.on_backend
+        try:
+            h = wire.unpack_header(frames[0], wire.BACKEND_KINDS if backend
+                                   else wire.FRONTEND_KINDS)
+        except (WireError, IndexError):
+            return pair.active           # the core counts and answers it
+        kind = h["kind"]
+        if backend and kind == wire.ERROR and h["code"] == Code.FENCED.value \
+                and type(h.get("bepoch")) is int:
+            self._deposed(pair.fenced(h["bepoch"]), f"a shard has seen epoch {h['bepoch']}")
+            return False
+        if backend and kind == wire.REGISTER:
+            seen, was = h.get("bepoch"), pair.active
+            epoch = pair.claim(self.clock(), seen if type(seen) is int else 0)
+            if epoch is not None:
+                if not was:
+                    self._took_over(epoch, h.get("shard"))
+                return True
+            if was:       # the shard has seen a newer epoch: this broker was deposed
+                self._deposed(pair.deposed, f"shard {h.get('shard')!r} has seen epoch {seen}")
+        elif pair.active:
+            return True
+        elif (kind == wire.HELLO and h.get("role") == "shard") or kind == wire.STATUS:
+            return True          # a shard finds its backend; ops see the standby's role
+        if kind == wire.BYE:
+            return False
+        ids = {k: v for k in ("msg", "req") if type(v := h.get(k)) is int}
+        err = [wire.error(Code.NOT_ACTIVE, "this broker is the standby of its pair; "
+                                           "try the other", **ids)]
+        self.core.meters.errors[Code.NOT_ACTIVE.value] += 1
+        self._do([ToShard(identity, err)] if backend else [ToClient(identity, err)])
+        return False
+
+    def _took_over(self, epoch: int, shard) -> None:
+        core, now = self.core, self.clock()
+        core.broker_epoch = epoch
+        core.recovery.started = core.recovery.now = now   # hearing from its shards from now
+        log.warning("broker pair: this broker is active now, epoch %d (shard %r registered "
+                    "while the peer was silent)", epoch, shard)
+        self.pair_link.beat(self.pair.beat())
+
+    def _deposed(self, deposed: Deposed | None, why: str) -> None:
+        if deposed is None or self.deposed is not None:
+            return
+        log.warning("broker pair: deposed (%s); starting again as the standby", why)
+        self.deposed = deposed
+        self.stopping.set()
+
+    def _pair_tick(self, now: float, beat: bool = True) -> None:
+        """What the pair link brought (``beat``: and say this broker's role)."""
+        pair, lnk = self.pair, self.pair_link
+        for up in lnk.events():
+            pair.link(up)
+        for h in lnk.heard():
+            self._deposed(pair.peer(now, h.role, h.epoch, h.run),
+                          f"the peer is active at epoch {h.epoch}")
+        if pair.deposed is not None:
+            self._deposed(pair.deposed, "a shard registered naming a newer epoch")
+        if beat:
+            lnk.beat(pair.beat())
 
     def _drain_links(self, fds, role: bytes) -> int:
         """What the links ``fds`` (of peers with ``role``) sent, to the frontend's or the
@@ -271,6 +362,11 @@ class BrokerServer:
         poller.register(self.backend, zmq.POLLIN)
         poller.register(self.events, zmq.POLLIN)   # subscription notices: what topics to send
         poller.register(self.frontend, zmq.POLLIN)  # always: the byte cap holds producers back
+        pair_socks = ()
+        if self.pair_link is not None:
+            pair_socks = (self.pair_link.sub, self.pair_link.mon)
+            for s in pair_socks:
+                poller.register(s, zmq.POLLIN)
         links = self.links
         if links is not None:
             links.attach(poller)
@@ -287,6 +383,8 @@ class BrokerServer:
                 if links is not None and links.again:
                     timeout = 0.0
                 events = dict(poller.poll(min(timeout, 0.05) * 1000))
+                if pair_socks and any(s in events for s in pair_socks):
+                    self._pair_tick(self.clock(), beat=False)
                 if self.events in events:
                     self._drain_subscriptions()
                 if links is not None:
@@ -327,7 +425,10 @@ class BrokerServer:
                         now = self.clock()
                     if self.handshakes is not None:   # refused CURVE handshakes, in errors
                         self.handshakes.drain(self.core.errors)
-                    self._do(self.handlers.on_tick(now))
+                    if self.pair is not None:
+                        self._pair_tick(now)
+                    if self.pair is None or self.pair.active:   # a standby serves nobody
+                        self._do(self.handlers.on_tick(now))
                     self.shm_io.tick(now)
                     if self.on_metrics is not None:
                         self.on_metrics(self.core.metrics(now))
@@ -373,6 +474,8 @@ class BrokerServer:
         for s in (self.frontend, self.backend, self.events):
             if s is not None:
                 s.close(linger=0)
+        if getattr(self, "pair_link", None) is not None:
+            self.pair_link.close()
         if self.links is not None:
             self.links.close()
         if self.shm_io is not None:

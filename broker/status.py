@@ -103,7 +103,8 @@ def status(core, now: float) -> dict:
             "counters": dict(m.counters),
             "staleness": {"count": h.count, "p50": h.quantile(0.5), "p99": h.quantile(0.99),
                           "mean": round(h.sum / h.count, 3) if h.count else None},
-            "errors": dict(m.errors)}
+            "errors": dict(m.errors),
+            **({"pair": core.pair_status(now)} if core.pair_status is not None else {})}
 
 
 def metrics(core, now: float) -> dict:
@@ -114,6 +115,18 @@ def metrics(core, now: float) -> dict:
     wire_b, dec_b = c.get("push_wire_bytes", 0), c.get("push_decoded_bytes", 0)
     out = {f"gradbus_broker_{name}": stats.counter(help_, c.get(key, 0))
            for name, key, help_ in _BROKER_COUNTERS}
+    if core.pair_status is not None:
+        pair = core.pair_status(now)
+        out.update({
+            "gradbus_broker_pair_takeovers_total": stats.counter(
+                "Times this broker took over as the active one of its pair.",
+                pair["takeovers"]),
+            "gradbus_broker_pair_active": stats.gauge(
+                "1 while this broker is the active one of its pair, 0 while standby.",
+                int(pair["role"] == "active")),
+            "gradbus_broker_pair_epoch": stats.gauge(
+                "The broker epoch: this broker's while active, else the highest it knows.",
+                pair["epoch"])})
     out.update({
         "gradbus_broker_compression_ratio": stats.gauge(
             "Decoded over wire bytes of all pushes so far.", dec_b / wire_b if wire_b else 1.0),

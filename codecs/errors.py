@@ -44,6 +44,8 @@ class Code(str, enum.Enum):
     SHM_TORN = "SHM_TORN"                  # a reply's bytes in a shard's shared memory were
                                            # rewritten before they were read whole: ask again
                                            # (with frames); nothing was used
+    NOT_ACTIVE = "NOT_ACTIVE"              # a standby broker of a pair: the sender tries the
+                                           # next broker it knows (protocol section 23)
     INTERNAL = "INTERNAL"                  # a bug: the receiver failed handling a valid message
 
 

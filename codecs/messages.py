@@ -300,6 +300,22 @@ class Registered:
     shard: str
     partitions: int | None
     shm: bool                 # the broker sends this shard shared-memory references
+    bepoch: int = 0           # the broker pair's epoch (section 23; 0: no pair)
+
+
+@dataclass(frozen=True, slots=True)
+class PairBeat:
+    """A broker pair's state, on the pair link (section 23)."""
+    kind = wire.PAIR
+    role: str                 # "active" or "standby"
+    epoch: int
+    run: int
+
+
+def _pair(h, P):
+    if h["role"] not in ("active", "standby") or h["epoch"] < 0 or h["run"] < 0:
+        raise WireError(Code.BAD_FIELD, "pair: role active or standby, epoch and run >= 0")
+    return PairBeat(h["role"], h["epoch"], h["run"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,7 +531,8 @@ def _token(h) -> bytes | None:
 
 
 def _registered(h, P):
-    return Registered(h["shard"], opt_int(h.get("partitions"), 1), h.get("shm") is True)
+    return Registered(h["shard"], opt_int(h.get("partitions"), 1), h.get("shm") is True,
+                      opt_int(h.get("bepoch"), 0) or 0)
 
 
 def _p(h, P) -> int:
@@ -549,6 +566,7 @@ _BUILD = {
     wire.STATE: _state,
     wire.SYNCED: lambda h, P: Synced(_p(h, P), h["seq"]),
     wire.DROP: lambda h, P: Drop(tuple(p for p in h["ps"] if type(p) is int)),
+    wire.PAIR: _pair,
     **replies.BUILD,
     **follow.BUILD,
 }

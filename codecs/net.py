@@ -4,6 +4,7 @@ Every process needs only the broker's client URL; a HELLO on it returns the othe
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from urllib.parse import urlsplit
@@ -12,7 +13,7 @@ import numpy as np
 import zmq
 
 from . import security, timing, wire
-from .errors import GradbusError
+from .errors import Code, GradbusError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 #: Frames below this are copied by pyzmq even with copy=False. Zero-copy sends cost a
@@ -37,8 +38,40 @@ def tune(sock: zmq.Socket) -> zmq.Socket:
     return sock
 
 
+_monitors = itertools.count()
+
+
+def watch_closing(sock: zmq.Socket) -> zmq.Socket:
+    """A monitor socket that is readable once ``sock``'s connection closes (its peer's
+    process went away). A socket has one monitor at a time; each gets its own inproc
+    address, since libzmq may not have released the last one yet."""
+    return sock.get_monitor_socket(zmq.EVENT_DISCONNECTED,
+                                   f"inproc://gradbus-closing-{os.getpid()}-{next(_monitors)}")
+
+
+def stop_watching(sock: zmq.Socket, mon: zmq.Socket | None) -> None:
+    """End :func:`watch_closing`'s monitor ``mon`` of ``sock`` (None: there is none)."""
+    if mon is not None:
+        sock.disable_monitor()
+        mon.close(linger=0)
+
+
 def default_broker() -> str:
     return os.environ.get("GRADBUS_BROKER") or DEFAULT_BROKER
+
+
+def broker_urls(urls: str) -> list[str]:
+    """A broker URL, or a comma-separated list of a broker pair's (protocol section 23):
+    each checked as :func:`split_url` does, distinct."""
+    out = [u.strip() for u in urls.split(",")] if isinstance(urls, str) else list(urls)
+    if not out or not all(out):
+        raise GradbusError(f"broker URLs must be tcp://HOST:PORT[,tcp://HOST:PORT], got "
+                           f"{urls!r}")
+    for u in out:
+        split_url(u)
+    if len(set(out)) != len(out):
+        raise GradbusError(f"a broker URL is named twice in {urls!r}")
+    return out
 
 
 def split_url(url: str) -> tuple[str, int]:
@@ -109,12 +142,22 @@ def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
     raises :class:`~gradbus.codecs.errors.SecurityError` at once. Nothing here waits past
     ``timeout``: not the HELLO's send either (see :func:`send_before`). ``stop``: an event
     (a server's stopping flag); once it is set, hello raises :class:`Stopped` within
-    :data:`STOP_STEP` seconds."""
-    split_url(broker_url)
+    :data:`STOP_STEP` seconds. ``broker_url`` may name a broker pair: see :func:`hello_any`."""
+    return hello_any(ctx, broker_urls(broker_url), 0, role, timeout, configure, curve,
+                     stop)[1]
+
+
+def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: float,
+              configure=None, curve: security.Curve | None = None, stop=None) -> tuple:
+    """:func:`hello` on a list of brokers (a pair), from ``urls[first]`` on, in turn: the
+    index of the one that answered and its WELCOME. A standby's ``NOT_ACTIVE`` sends it on
+    to the next; so does an attempt that got no answer (the back-off grows once per round)."""
     deadline = time.monotonic() + timeout
     wait = timing.RECONNECT_MIN
     failures = 0   # failed security handshakes, over every attempt
+    i = first % len(urls)
     while True:
+        broker_url = urls[i]
         s = ctx.socket(zmq.DEALER)
         s.linger = 0
         if curve is not None:
@@ -128,13 +171,16 @@ def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
             reply = _ask(s, watch, wire.pack(wire.HELLO, role=role), attempt_end, stop)
             if reply is not None:
                 h = wire.unpack_header(reply, frozenset({wire.WELCOME, wire.ERROR}))
-                if h["kind"] == wire.ERROR:
+                if h["kind"] == wire.WELCOME:
+                    return i, h
+                if h["code"] != Code.NOT_ACTIVE.value or len(urls) == 1:
                     raise GradbusError(h["message"], h["code"])
-                return h
         finally:
             failures = watch.failures
             watch.close()
             s.close()
         if time.monotonic() >= deadline:
-            raise GradbusError(f"no broker answered at {broker_url} within {timeout:.1f}s")
-        wait = min(wait * 2, timing.RECONNECT_MAX)
+            raise GradbusError(f"no broker answered at {','.join(urls)} within {timeout:.1f}s")
+        i = (i + 1) % len(urls)
+        if i == first % len(urls):
+            wait = min(wait * 2, timing.RECONNECT_MAX)

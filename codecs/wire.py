@@ -72,6 +72,7 @@ ADMIN, ADMIN_REPLY, STOP = "admin", "admin_reply", "stop"   # rebalance, drain; 
 ROWS, ROWS_REPLY = "rows", "rows_reply"                      # reads of embedding table rows
 FREE = "free"                     # push slots in shared memory the broker no longer needs
 FOLLOW, CREDIT = "follow", "credit"   # conflated delivery: partitions followed, reads done
+PAIR = "pair"                         # a broker pair's state, on the pair link (section 23)
 
 ACKS_ALL = -1                     # the wire value of acks="all"
 
@@ -122,6 +123,7 @@ SCHEMA: dict[str, dict[str, tuple[tuple[type, ...], bool]]] = {
     TABLE: {"version": (_INT, True), "owners": (_LIST, True)},
     FOLLOW: {"ps": (_LIST, True)},
     CREDIT: {"ps": (_LIST, True), "seqs": (_LIST, True)},
+    PAIR: {"role": (_STR, True), "epoch": (_INT, True), "run": (_INT, True)},
 }
 
 FRONTEND_KINDS = frozenset({HELLO, INIT, PUSH, SNAPSHOT, ROWS, CATALOG, STATUS, DIGEST,

@@ -11,9 +11,13 @@ import time
 import zmq
 
 from gradbus.codecs import net, security, wire
-from gradbus.codecs.errors import GradbusError, error_from
+from gradbus.codecs.errors import Code, GradbusError, error_from
 
 _ids = itertools.count(1)
+
+
+class Unanswered(GradbusError):
+    """No broker took the request, or none replied, in time."""
 
 
 def request(url: str, kind: str, timeout: float = 5.0, *,
@@ -25,7 +29,21 @@ def request(url: str, kind: str, timeout: float = 5.0, *,
 def request_all(url: str, kind: str, timeout: float = 5.0, *,
                 curve: security.Curve | None = None, **fields) -> list[dict]:
     """Send one request and return every reply header to it (a reply's ``of`` says how many
-    parts the answer comes in, as for a digest that each shard answers)."""
+    parts the answer comes in, as for a digest that each shard answers). ``url`` may name a
+    broker pair's two (comma-separated): the request goes to each in turn until one that is
+    not the standby answers."""
+    urls = net.broker_urls(url)
+    for i, one in enumerate(urls):
+        try:
+            return _request_all(one, kind, timeout, curve, fields)
+        except GradbusError as e:
+            last = i == len(urls) - 1
+            if last or not (e.code == Code.NOT_ACTIVE or isinstance(e, Unanswered)):
+                raise
+    raise AssertionError("unreachable")
+
+
+def _request_all(url: str, kind: str, timeout: float, curve, fields) -> list[dict]:
     net.split_url(url)
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
@@ -38,13 +56,13 @@ def request_all(url: str, kind: str, timeout: float = 5.0, *,
         s.connect(url)
         req = next(_ids)
         if not net.send_before(s, wire.pack(kind, req=req, **fields), deadline, watch):
-            raise GradbusError(f"could not send to the broker at {url} within {timeout:.1f}s: "
+            raise Unanswered(f"could not send to the broker at {url} within {timeout:.1f}s: "
                                f"no connection took the request (is the broker up there, "
                                f"and does it accept this process's keys?)")
         replies: list[dict] = []
         while True:
             if not watch.poll(int(timeout * 1000)):
-                raise GradbusError(f"no reply from the broker at {url} within {timeout:.1f}s")
+                raise Unanswered(f"no reply from the broker at {url} within {timeout:.1f}s")
             frames = s.recv_multipart()
             h = wire.unpack_header(frames[0], wire.CLIENT_KINDS)
             if h.get("req") != req:
@@ -61,7 +79,27 @@ def request_all(url: str, kind: str, timeout: float = 5.0, *,
 
 
 def status(url: str, timeout: float = 5.0, curve: security.Curve | None = None) -> dict:
-    return request(url, wire.STATUS, timeout, curve=curve)["status"]
+    """The broker's status. Of a broker pair (``url`` naming both): the active one's, with
+    ``brokers`` listing each broker's URL, role and epoch (or the error asking it gave)."""
+    urls = net.broker_urls(url)
+    if len(urls) == 1:
+        return request(url, wire.STATUS, timeout, curve=curve)["status"]
+    got, brokers = [], []
+    for one in urls:
+        try:
+            st = request(one, wire.STATUS, timeout, curve=curve)["status"]
+        except GradbusError as e:
+            brokers.append({"url": one, "role": "unreachable", "error": str(e)})
+            continue
+        pair = st.get("pair") or {}
+        brokers.append({"url": one, "role": pair.get("role", "single"),
+                        "epoch": pair.get("epoch"), "takeovers": pair.get("takeovers")})
+        got.append((pair.get("role") == "active", st))
+    if not got:
+        raise GradbusError(f"no broker of {url} answered: "
+                           + "; ".join(b["error"] for b in brokers))
+    st = max(got, key=lambda x: x[0])[1]
+    return {**st, "brokers": brokers}
 
 
 def partitions(url: str, timeout: float = 5.0, curve: security.Curve | None = None) -> dict:

@@ -1,4 +1,5 @@
-"""A local cluster: a broker and N shards, as real processes (default) or threads (tests).
+"""A local cluster: a broker (or a broker pair) and N shards, as real processes (default) or
+threads (tests).
 
 Child processes get ``PR_SET_PDEATHSIG`` (Linux), so a killed launcher leaves no orphans; a clean
 stop sends SIGTERM, waits, then SIGKILL. :meth:`LocalCluster.supervise` keeps the processes
@@ -81,9 +82,24 @@ class LocalCluster:
                  quiet: bool = True, replicas: int = 1, shard_ids: list[str] | None = None,
                  shard_extra: dict[str, list[str]] | None = None, curve_dir: str | None = None,
                  metrics_port: int | None = None, backend_port: int = 0, events_port: int = 0,
-                 data_dir: str | None = None, restore_from: dict[str, str] | None = None):
+                 data_dir: str | None = None, restore_from: dict[str, str] | None = None,
+                 brokers: int = 1):
         if shards < 1:
             raise ValueError("a cluster needs at least one shard")
+        if brokers not in (1, 2):
+            raise ValueError("a cluster has one broker, or a pair (brokers=2)")
+        if brokers == 2 and (not processes or curve_dir or port or backend_port
+                             or events_port):
+            raise ValueError("a broker pair runs as processes, without CURVE, on free ports")
+        # a broker pair (protocol section 23): "broker" and "broker-b", each on four ports
+        # pinned at the start (client, backend, events, pair), so that either can be
+        # restarted where the other, the shards and the clients look for it
+        self.broker_names = ["broker", "broker-b"][:brokers]
+        self.pair_ports: dict[str, list[int]] = {}
+        if brokers == 2:
+            ports = free_ports(8, host)
+            self.pair_ports = {"broker": ports[:4], "broker-b": ports[4:]}
+        self.broker_procs: dict[str, subprocess.Popen] = {}
         self.n_shards = shards
         # Prometheus endpoints: the broker on metrics_port, shard i on metrics_port + 1 + i
         # (0: every process a free port; None: off)
@@ -111,12 +127,27 @@ class LocalCluster:
         # (security.ClusterKeys); self.curve is the client's, for the SDK and admin requests
         self.keys = security.ClusterKeys.ensure(curve_dir) if curve_dir else None
         self.curve = self.keys.client() if self.keys else None
-        self.broker_proc: subprocess.Popen | None = None
         self.shard_procs: dict[str, subprocess.Popen] = {}
         self.broker = None
         self.shard_servers: dict = {}
         self.threads: list = []
         self.url: str | None = None
+
+    @property
+    def broker_proc(self) -> subprocess.Popen | None:
+        """The (first) broker's process."""
+        return self.broker_procs.get("broker")
+
+    @broker_proc.setter
+    def broker_proc(self, proc: subprocess.Popen | None) -> None:
+        if proc is None:
+            self.broker_procs.pop("broker", None)
+        else:
+            self.broker_procs["broker"] = proc
+
+    def broker_url(self, name: str) -> str:
+        """A pair's broker ``name``'s client URL."""
+        return net.url(self.host, self.pair_ports[name][0])
 
     # -- processes ---------------------------------------------------------------------
     def _spawn(self, args: list[str]) -> subprocess.Popen:
@@ -128,7 +159,8 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         try:
             if self.processes:
-                self.start_broker()
+                for name in self.broker_names:
+                    self.start_broker(name)
                 for sid in self.shard_ids:
                     self.add_shard(sid)
             else:
@@ -145,22 +177,37 @@ class LocalCluster:
             raise
         return self
 
-    def start_broker(self) -> None:
-        """Start the broker process; the first start pins the ports it bound."""
-        ports = ["--port", str(self.port)]
-        if self.backend_port:
-            ports += ["--backend-port", str(self.backend_port)]
-        if self.events_port:
-            ports += ["--events-port", str(self.events_port)]
-        self.broker_proc = self._spawn(
+    def start_broker(self, name: str = "broker") -> None:
+        """Start the broker process (of a pair: broker ``name``); the first start pins the
+        ports it bound."""
+        if self.pair_ports:
+            mine = self.pair_ports[name]
+            other = self.pair_ports["broker-b" if name == "broker" else "broker"]
+            ports = ["--port", str(mine[0]), "--backend-port", str(mine[1]),
+                     "--events-port", str(mine[2]), "--peer-port", str(mine[3]),
+                     "--peer", net.url(self.host, other[3])]
+        else:
+            ports = ["--port", str(self.port)]
+            if self.backend_port:
+                ports += ["--backend-port", str(self.backend_port)]
+            if self.events_port:
+                ports += ["--events-port", str(self.events_port)]
+        old = self.broker_procs.get(name)
+        if old is not None and old.poll() is not None and old.stdout:
+            old.stdout.close()            # a broker that ended, started again
+        proc = self.broker_procs[name] = self._spawn(
             ["broker", "--host", self.host, *ports, "--partitions", str(self.partitions),
              "--replicas", str(self.replicas), *self._curve_args("broker"),
-             *self._metrics_args(0), *self.broker_args])
-        line = self.broker_proc.stdout.readline().strip()
+             *self._metrics_args(self.broker_names.index(name) * (1 + self.n_shards)),
+             *self.broker_args])
+        line = proc.stdout.readline().strip()
         if not line.startswith("listening: "):
-            self.broker_proc.kill()
-            self.broker_proc.wait()
+            proc.kill()
+            proc.wait()
             raise GradbusError(f"broker failed to start (said {line!r})")
+        if self.pair_ports:
+            self.url = ",".join(self.broker_url(n) for n in self.broker_names)
+            return
         self.url = line.split(" ", 1)[1]
         if not (self.port and self.backend_port and self.events_port):
             self.port = int(net.split_url(self.url)[1])
@@ -257,15 +304,16 @@ class LocalCluster:
         due: dict[str, float] = {}          # name -> when to start it again
         while not stop.wait(poll):
             now = time.monotonic()
-            for name, proc in [("broker", self.broker_proc), *self.shard_procs.items()]:
+            brokers = self.broker_names
+            for name, proc in [*self.broker_procs.items(), *self.shard_procs.items()]:
                 if name in due or proc is None or proc.poll() is None:
                     continue
                 if proc.stdout:
                     proc.stdout.close()
                 code = proc.returncode
-                if name != "broker":
+                if name not in brokers:
                     del self.shard_procs[name]
-                if name != "broker" and code == 0:
+                if name not in brokers and code == 0:
                     say(f"{name} exited with 0")
                     continue
                 delay = policy.delay(name, now)
@@ -279,23 +327,23 @@ class LocalCluster:
                     continue
                 del due[name]
                 try:
-                    if name == "broker":
-                        self.start_broker()
+                    if name in brokers:
+                        self.start_broker(name)
                     else:
                         self.add_shard(name)
                 except (GradbusError, OSError) as e:   # seen dead at the next poll
                     say(f"{name} did not start: {e}")
                     continue
-                say(f"{name} started again" + (f" on {self.url}" if name == "broker" else ""))
+                say(f"{name} started again" + (f" on {self.url}" if name in brokers else ""))
         return None
 
     def stop(self) -> dict[str, int]:
         """Stop everything; returns the exit status of each process that was still running
         (by name: "broker" or the shard id)."""
-        running = {n: p for n, p in [*self.shard_procs.items(), ("broker", self.broker_proc)]
+        running = {n: p for n, p in [*self.shard_procs.items(), *self.broker_procs.items()]
                    if p is not None and p.poll() is None}
         codes = dict(zip(running, end_processes(list(running.values()))))
-        end_processes([p for p in [*self.shard_procs.values(), self.broker_proc]
+        end_processes([p for p in [*self.shard_procs.values(), *self.broker_procs.values()]
                        if p is not None and p not in running.values()])
         for s in self.shard_servers.values():
             s.stop()
@@ -307,10 +355,11 @@ class LocalCluster:
         self.shard_servers.clear()
         self.broker = None
         self.shard_procs.clear()
-        self.broker_proc = None
-        if self.port:    # what a killed process of this cluster left in shared memory
-            from gradbus.codecs import shm
-            shm.sweep(shm.cluster_tag(f"{self.host}:{self.port}"))
+        self.broker_procs.clear()
+        from gradbus.codecs import shm  # what a killed process of this cluster left there
+        for port in [p[0] for p in self.pair_ports.values()] or [self.port]:
+            if port:
+                shm.sweep(shm.cluster_tag(f"{self.host}:{port}"))
         return codes
 
     def __enter__(self) -> "LocalCluster":
@@ -320,8 +369,8 @@ class LocalCluster:
         self.stop()
 
     def pids(self) -> list[int]:
-        return [p.pid for p in self.shard_procs.values()] + (
-            [self.broker_proc.pid] if self.broker_proc else [])
+        return [p.pid for p in self.shard_procs.values()] + [
+            p.pid for p in self.broker_procs.values()]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:

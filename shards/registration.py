@@ -13,6 +13,9 @@ and carries out the typed actions it returns, in order:
 * :meth:`Registration.heard`, every message from the broker: REGISTERED registers; an ERROR
   NOT_REGISTERED (declared dead while alive, a stall) unregisters and -> :class:`Register`
   again, at most once per liveness window (several messages sent meanwhile each get one);
+  with a broker pair (protocol section 23), an ERROR NOT_ACTIVE (a standby) -> a
+  :class:`Connect` to the next broker, and a REGISTERED naming a lower broker epoch than one
+  this shard saw (a deposed broker) -> :class:`Fence` it, then the next broker;
 * :meth:`Registration.sent`, every message the shard sent other than a heartbeat;
 * :meth:`Registration.tick`, once per loop turn -> :class:`Heartbeat` every heartbeat
   interval, busy or not, and :class:`Connect` (with how long the broker was silent) when
@@ -43,6 +46,14 @@ class Connect:
     """HELLO the broker and (re)open the backend socket, closing any old one."""
     silent_for: float | None = None   # seconds the broker was silent (None: the first connect)
     lost: bool = False                # the connection failed (rather than fell silent)
+    next: bool = False                # a broker pair: try the other broker first
+    why: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """Tell a deposed broker the highest broker epoch this shard saw (ERROR FENCED)."""
+    epoch: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +78,7 @@ class Registration:
         self.last_heard: float | None = None
         self.last_sent: float | None = None
         self.last_info: float | None = None  # when the last HEARTBEAT was sent
+        self.bepoch = 0            # the highest broker epoch seen (a broker pair's)
 
     @property
     def window(self) -> float:
@@ -90,12 +102,24 @@ class Registration:
             self.last_sent = self.last_info = now
         return [self._register(now)]
 
-    def heard(self, now: float, kind: str | None, code: str | None = None) -> list:
-        """A message from the broker (``kind`` None when its header did not parse)."""
+    def heard(self, now: float, kind: str | None, code: str | None = None,
+              bepoch: int = 0) -> list:
+        """A message from the broker (``kind`` None when its header did not parse;
+        ``bepoch``: a REGISTERED's broker epoch)."""
         self.last_heard = now
         if kind == wire.REGISTERED:
+            if bepoch < self.bepoch:         # a deposed broker of a pair
+                self.phase = Phase.DISCONNECTED
+                return [Fence(self.bepoch),
+                        Connect(next=True, why=f"broker epoch {bepoch} < {self.bepoch}")]
+            self.bepoch = bepoch
             self.phase = Phase.REGISTERED
             self.joined = True
+        elif kind == wire.ERROR and code == Code.NOT_ACTIVE.value:
+            if self.phase is Phase.DISCONNECTED:
+                return []          # a Connect is under way (several sends were answered)
+            self.phase = Phase.DISCONNECTED
+            return [Connect(next=True, why="the broker is a standby")]
         elif kind == wire.ERROR and code == Code.NOT_REGISTERED.value:
             self.phase = Phase.REGISTERING
             if now - self.registered_at > self.window:

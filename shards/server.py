@@ -30,7 +30,7 @@ from gradbus.codecs.errors import Code, WireError
 from . import checkpoint
 from .core import ShardCore
 from .meters import ShardMeters
-from .registration import Connect, Heartbeat, Register, Registration
+from .registration import Connect, Fence, Heartbeat, Register, Registration
 from .shm_io import PRUNE_EVERY, ShardShm
 
 log = logging.getLogger("gradbus.shard")
@@ -53,8 +53,12 @@ class ShardServer:
         """``shm``: read pushes from and publish weights into shared memory when the broker is
         on this host (None: ``$GRADBUS_SHM``, else on); ``shm_reply_bytes``: the cap of its
         reply area (None: ``$GRADBUS_SHM_REPLY_MB``, else 256 MiB; 0: replies as frames)."""
-        net.split_url(broker_url)
-        self.broker_url = broker_url
+        # one broker, or a broker pair's two (protocol section 23): the shard talks to one
+        # at a time, and goes to the other when that one is gone or says it is the standby
+        self.broker_urls = net.broker_urls(broker_url)
+        self.broker_at = 0
+        self.broker_url = self.broker_urls[0]
+        self._gone = None        # a pair: the backend connection's monitor (its closing)
         self.shard_id = shard_id or f"shard-{uuid.uuid4().hex[:8]}"
         self.core = ShardCore(self.shard_id, **core_kw)
         self.clock = clock
@@ -152,17 +156,23 @@ class ShardServer:
                                  **fields))
 
     # -- the loop: sockets and clocks around the core and the registration state machine ------
-    def _connect(self) -> bool:
-        """HELLO the broker (retried with back-off) and connect a fresh backend socket; False
-        when the shard was stopped first."""
+    def _connect(self, next_broker: bool = False) -> bool:
+        """HELLO the broker (retried with back-off; of a pair, the other first when
+        ``next_broker``) and connect a fresh backend socket; False when the shard was stopped
+        first."""
         self._close_sock()
-        host, _ = net.split_url(self.broker_url)
-        log.info("%s: asking the broker at %s for its ports", self.shard_id, self.broker_url)
+        urls = self.broker_urls
+        first = self.broker_at + 1 if next_broker else self.broker_at
+        log.info("%s: asking the broker at %s for its ports", self.shard_id,
+                 urls[first % len(urls)])
         try:
-            welcome = net.hello(self.ctx, self.broker_url, "shard", self.hello_timeout,
-                                curve=self.curve, stop=self.stopping)
+            self.broker_at, welcome = net.hello_any(self.ctx, urls, first, "shard",
+                                                    self.hello_timeout, curve=self.curve,
+                                                    stop=self.stopping)
         except net.Stopped:
             return False
+        self.broker_url = urls[self.broker_at]
+        host, _ = net.split_url(self.broker_url)
         self.shm.welcome(welcome)
         # a fresh, unguessable routing id per connection (never starting with a zero byte,
         # which libzmq reserves): the broker binds this shard's name to it only by REGISTER
@@ -185,16 +195,25 @@ class ShardServer:
         return True
 
     def _close_sock(self) -> None:
-        self._heard()
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
+        net.stop_watching(self.sock, self._gone)
+        self._gone = None
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
 
     def _heard(self) -> None:
-        """The broker was heard on this connection: its pipe is up, sends need no deadline."""
+        """The broker was heard on this connection: its pipe is up, sends need no deadline.
+        Of a pair, the connection's closing is watched from now on (a socket has one
+        monitor: the handshake's until now): a broker whose process went away is left at
+        once."""
         if self._watch is not None:
             self._watch.close()
             self._watch = None
+            if len(self.broker_urls) > 1 and self.sock is not None and self._gone is None:
+                self._gone = net.watch_closing(self.sock)
 
     def _send(self, msg) -> bool:
         """Send a registration message; False when it could not go out on this connection
@@ -210,6 +229,13 @@ class ShardServer:
             if self._watch.failures > failures or time.monotonic() >= self._send_by:
                 return False
         return False
+
+    def _broker_gone(self) -> bool:
+        """Of a pair: the backend connection closed (the broker's process went away)."""
+        if self._gone is None or not self._gone.poll(0):
+            return False
+        self._gone.recv_multipart()
+        return True
 
     def _handshake_failed(self) -> bool:
         """Whether this connection's handshake failed (before the broker was heard on it);
@@ -227,20 +253,28 @@ class ShardServer:
         while todo:
             sent = True
             match todo.popleft():
-                case Connect(silent_for=silent, lost=lost):
-                    if lost:
+                case Connect(silent_for=silent, lost=lost, next=next_broker, why=why):
+                    if why:
+                        log.warning("%s: leaving the broker at %s: %s", self.shard_id,
+                                    self.broker_url, why)
+                    elif lost:
                         log.warning("%s: the connection to the broker failed before it answered"
                                     ", reconnecting", self.shard_id)
                     elif silent is not None:
                         log.warning("%s: broker silent for %.2fs, reconnecting", self.shard_id,
                                     silent)
                     self.registered.clear()
-                    if not self._connect():
+                    if not self._connect(next_broker or (silent is not None
+                                                         and len(self.broker_urls) > 1)):
                         break       # stopping
                     todo.extendleft(reversed(self.reg.connected(self.clock())))
+                case Fence(epoch=epoch):
+                    self._send(wire.error(Code.FENCED, f"this shard has seen broker epoch "
+                                                       f"{epoch}", bepoch=epoch))
                 case Register(rejoin=rejoin):
+                    bepoch = {"bepoch": self.reg.bepoch} if self.reg.bepoch else {}
                     sent = self._send(wire.pack(wire.REGISTER, shard=self.shard_id,
-                                                rejoin=rejoin, token=self.token,
+                                                rejoin=rejoin, token=self.token, **bepoch,
                                                 **self.core.register_fields(),
                                                 **self.shm.register_fields()))
                 case Heartbeat():
@@ -268,7 +302,8 @@ class ShardServer:
             self._act(self.reg.start())
             last_ckpt = next_prune = self.clock()
             while not self.stopping.is_set():
-                if self._handshake_failed() or getattr(self.sock, "lost", False):
+                if self._handshake_failed() or getattr(self.sock, "lost", False) \
+                        or self._broker_gone():
                     self._act(self.reg.lost(self.clock()))
                     continue
                 if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
@@ -299,7 +334,11 @@ class ShardServer:
             head = _peek(frames[0]) if frames else None
             kind = head.kind if head is not None else None
             code = head.code if kind == wire.ERROR else None
-            self._act(self.reg.heard(self.clock(), kind, code))
+            sock = self.sock
+            self._act(self.reg.heard(self.clock(), kind, code,
+                                     head.bepoch if kind == wire.REGISTERED else 0))
+            if self.sock is not sock:
+                break            # left for the other broker of a pair
             if kind == wire.REGISTERED:
                 self.shm.registered(head, self.core.publisher)
             if not frames or kind in (wire.REGISTERED, wire.HEARTBEAT):

@@ -193,8 +193,9 @@ def make_cluster():
         url = c.url
         c.stop()
         problems += state_problems(cores)
-        if url:     # shared memory: nothing of the cluster is left once it stopped
-            left = shm.segments(shm.cluster_tag("%s:%d" % net.split_url(url)))
+        for one in net.broker_urls(url) if url else ():
+            # shared memory: nothing of the cluster is left once it stopped
+            left = shm.segments(shm.cluster_tag("%s:%d" % net.split_url(one)))
             problems += [f"shared-memory segments left: {left}"] if left else []
         for pid in pids:  # every child is reaped: no orphans
             assert not os.path.exists(f"/proc/{pid}") or zombie_or_gone(pid)

@@ -88,8 +88,9 @@ SAMPLES = {
                     lambda m: m.shard == "s0" and m.holds == ((1, 2, 3),) and m.rejoin
                     and m.tensors[0].spec.layout().nblocks == 2 and m.tensors[1].cfg["dim"] == 4
                     and m.blocks == (("w/0", 4), ("emb#1", 2)) and m.skipped == 0 and m.shm),
-    wire.REGISTERED: ([], {"shard": "s0", "partitions": 16, "shm": True},
-                      lambda m: (m.shard, m.partitions, m.shm) == ("s0", 16, True)),
+    wire.REGISTERED: ([], {"shard": "s0", "partitions": 16, "shm": True, "bepoch": 4},
+                      lambda m: (m.shard, m.partitions, m.shm, m.bepoch) == ("s0", 16, True,
+                                                                             4)),
     wire.BATCH: ([DESC], {"parts": [{"p": 1, "seq": 2, "epoch": 1, "o": "s0", "e": [
         {"op": "push", "i": 0, "c": b"c", "m": 9, "w": 0.5},
         {"op": "init", "key": "w/1", "layout": LAYOUT, "rule": {"name": "zeros"}, "opt": SGD},
@@ -121,6 +122,8 @@ SAMPLES = {
         and m.recent == ((b"c", 1, "w/0"), (None, 2, "w/0"))),
     wire.SYNCED: ([], {"p": 3, "seq": 4}, lambda m: (m.p, m.seq) == (3, 4)),
     wire.DROP: ([], {"ps": [1, "x", 2]}, lambda m: m.ps == (1, 2)),
+    wire.PAIR: ([], {"role": "active", "epoch": 3, "run": 9},
+                lambda m: (m.role, m.epoch, m.run) == ("active", 3, 9)),
 }
 
 
@@ -259,6 +262,10 @@ BAD = {   # name -> (kind, descriptors, fields, code, words the message must hol
     "credit lengths": (wire.CREDIT, [], {"ps": [1, 2], "seqs": [1]}, Code.BAD_FIELD,
                        "credit: seqs must be as long"),
     "credit ps": (wire.CREDIT, [], {"ps": ["1"], "seqs": [1]}, Code.BAD_FIELD, "credit: ps"),
+    "pair role": (wire.PAIR, [], {"role": "leader", "epoch": 1, "run": 1}, Code.BAD_FIELD,
+                  "pair: role"),
+    "pair epoch": (wire.PAIR, [], {"role": "active", "epoch": -1, "run": 1}, Code.BAD_FIELD,
+                   "pair: role"),
 }
 
 

@@ -206,7 +206,7 @@ def test_client_without_an_allowed_key_cannot_connect_push_or_pull(curve_cluster
     # a push and a pull both fail with the refusal.
     welcome = net.hello(zmq.Context.instance(), c.url, "client", 10, curve=c.curve)
     with monkeypatch.context() as m:
-        m.setattr(client_mod.net, "hello", lambda *a, **k: welcome)
+        m.setattr(client_mod.net, "hello_any", lambda *a, **k: (0, welcome))
         bad = gradbus.connect(c.url, curve=rogue, timeout=10)
     with bad:
         with pytest.raises(gradbus.SecurityError, match="refused"):

@@ -80,17 +80,17 @@ def refused_backend_workload(url: str, secret: str, server_key: str, allowed: st
     from gradbus.shards.server import ShardServer
     curve = security.Curve.from_files(secret, server_key)
     key = open(allowed, "rb").read()
-    real, dropped = net.hello, []
+    real, dropped = net.hello_any, []
 
-    def hello(ctx, broker_url, *a, **k):
-        welcome = real(ctx, broker_url, *a, **k)
+    def hello_any(ctx, urls, first, *a, **k):
+        at, welcome = real(ctx, urls, first, *a, **k)
         if os.path.exists(allowed):
             os.remove(allowed)                  # the broker refuses the key from now on
             if forced:
-                backend = net.url(net.split_url(broker_url)[0], welcome["backend"])
+                backend = net.url(net.split_url(urls[at])[0], welcome["backend"])
                 dropped.extend([backend, _force_dropped_pipe({backend})])
-        return welcome
-    net.hello = hello
+        return at, welcome
+    net.hello_any = hello_any
     for i in range(1 if forced else 5):
         with open(allowed, "wb") as f:
             f.write(key)

@@ -22,3 +22,9 @@ class Subscribe:
 class Unsubscribe:
     """Unsubscribe the events socket from ``topic``."""
     topic: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Reconnect:
+    """A broker pair: leave this broker (``why``) for the other one (protocol section 23)."""
+    why: str

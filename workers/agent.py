@@ -20,11 +20,12 @@ import logging
 import threading
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from gradbus.codecs import link, net, security, wire
-from gradbus.codecs.errors import ClosedError
+from gradbus.codecs.errors import ClosedError, GradbusError
 
-from .actions import Subscribe
+from .actions import Reconnect, Subscribe, Unsubscribe
 from .agent_state import AgentState, Send
 
 log = logging.getLogger("gradbus.client")
@@ -48,9 +49,16 @@ class Agent(threading.Thread):
         self.pipe_out = ctx.socket(zmq.PAIR)  # user side, used under ``lock``
         self.pipe_out.linger = 0
         self.pipe_out.connect(addr)
-        self.dealer = self.sub = self.watch = None
+        self.dealer = self.sub = self.watch = self.gone = None
         self.link: link.Link | None = None
         self.error: BaseException | None = None
+        # a broker pair (protocol section 23): its client URLs, the one in use, and the events
+        # topics subscribed (subscribed again on the other broker's events socket)
+        self.urls: list = []
+        self.at = 0
+        self.topics: set[bytes] = set()
+        self._curve = self._curve_configure = None
+        self._poller: zmq.Poller | None = None
 
     # called from user threads, under ``lock``
     def submit(self, cmd) -> None:
@@ -74,7 +82,12 @@ class Agent(threading.Thread):
         return lnk is not None and lnk.send(frames)
 
     def open(self, url: str, events_url: str, curve, curve_configure,
-             link_name: str | None = None) -> None:
+             link_name: str | None = None, urls=(), at: int = 0) -> None:
+        """Connect to the broker at ``url`` (its events at ``events_url``); ``urls``: a
+        broker pair's client URLs, ``url`` being ``urls[at]``."""
+        self.urls, self.at = list(urls) or [url], at
+        self._events_url = events_url
+        self._curve, self._curve_configure = curve, curve_configure
         self.dealer = self.ctx.socket(zmq.DEALER)
         net.tune(self.dealer)
         self.dealer.setsockopt(zmq.ROUTING_ID, self.client_id)
@@ -84,6 +97,10 @@ class Agent(threading.Thread):
             self.watch = security.HandshakeWatch(self.dealer, curve, url, limit=None)
         if curve_configure:
             curve_configure(self.dealer)
+        if len(self.urls) > 1 and self.watch is None:
+            # a broker whose process went away is left at once (a socket has one monitor:
+            # with CURVE, the handshake watch's; then the broker's silence says it)
+            self.gone = net.watch_closing(self.dealer)
         self.dealer.connect(url)
         self.sub = self.ctx.socket(zmq.SUB)
         net.tune(self.sub)
@@ -95,16 +112,24 @@ class Agent(threading.Thread):
         self.sub.connect(events_url)
         self.sub.subscribe(wire.TOPIC_TABLE)
         self.sub.subscribe(wire.TOPIC_HEARTBEAT)
+        for topic in self.topics:
+            self.sub.subscribe(topic)
         if link_name and curve is None:
             self.link = link.connect(link_name, link.CLIENT, self.client_id)
         self._send([self.state._hb])     # registers this worker with the broker
 
-    def run(self) -> None:
-        poller = zmq.Poller()
-        for s in (self.pipe_in, self.dealer, self.sub):
+    def _register(self, poller: zmq.Poller) -> None:
+        for s in (self.dealer, self.sub):
             poller.register(s, zmq.POLLIN)
         if self.watch is not None:
             poller.register(self.watch.mon, zmq.POLLIN)
+        if self.gone is not None:
+            poller.register(self.gone, zmq.POLLIN)
+
+    def run(self) -> None:
+        poller = self._poller = zmq.Poller()
+        poller.register(self.pipe_in, zmq.POLLIN)
+        self._register(poller)
         state, cmds = self.state, self.cmds
         link_flags = 0
         try:
@@ -123,6 +148,9 @@ class Agent(threading.Thread):
                 ready = dict(poller.poll(timeout))
                 if self.watch is not None and self.watch.mon in ready:
                     self.watch.check()
+                if self.gone is not None and self.gone in ready:
+                    recv_monitor_message(self.gone)
+                    state.leave("the connection to the broker closed")
                 if self.pipe_in in ready:
                     while True:
                         try:
@@ -172,10 +200,51 @@ class Agent(threading.Thread):
             self.dealer.send(bye, zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+        self._close_broker()
+        self.pipe_in.close(linger=0)
+
+    def _close_broker(self) -> None:
         if self.watch is not None:
             self.watch.close()
-        for s in (self.dealer, self.sub, self.pipe_in):
-            s.close(linger=0)
+            self.watch = None
+        net.stop_watching(self.dealer, self.gone)
+        self.gone = None
+        for s in (self.dealer, self.sub):
+            if s is not None:
+                s.close(linger=0)
+        self.dealer = self.sub = None
+
+    def _reconnect(self, why: str) -> None:
+        """A broker pair: HELLO the other broker (then this one again, in turn) and open the
+        sockets there; the state sends what was unanswered. No broker within the silence
+        window: the state asks again later."""
+        log.warning("leaving the broker at %s: %s", self.urls[self.at], why)
+        state, poller = self.state, self._poller
+        for s in (self.dealer, self.sub, self.watch and self.watch.mon, self.gone):
+            if s is not None and poller is not None:
+                poller.unregister(s)
+        self._close_broker()
+        urls = self.urls
+        try:
+            at, welcome = net.hello_any(self.ctx, urls, self.at + 1, "client",
+                                        state.silence_after * 2, self._curve_configure,
+                                        curve=self._curve)
+        except GradbusError as e:
+            log.warning("no broker of %s answered: %s", ",".join(urls), e)
+            at, welcome = self.at, None
+        host, _ = net.split_url(urls[at])
+        if welcome is None:      # the same again; the state leaves once more when silent
+            self.open(urls[at], self._events_url, self._curve, self._curve_configure,
+                      urls=urls, at=at)
+            state.stay()
+        else:
+            self._events_url = net.url(host, welcome["events"])
+            self.open(urls[at], self._events_url, self._curve, self._curve_configure,
+                      urls=urls, at=at)
+            log.info("now at the broker at %s", urls[at])
+            state.arrived(welcome)
+        if poller is not None:
+            self._register(poller)
 
     def _send(self, frames: list) -> None:
         lnk = self.link
@@ -188,9 +257,13 @@ class Agent(threading.Thread):
             if t is Send:
                 self._send(a.frames)
             elif t is Subscribe:
+                self.topics.add(a.topic)
                 self.sub.subscribe(a.topic)
-            else:
+            elif t is Unsubscribe:
+                self.topics.discard(a.topic)
                 self.sub.unsubscribe(a.topic)
+            elif t is Reconnect:
+                self._reconnect(a.why)
 
     def _drain_link(self, lnk: link.Link, poller: zmq.Poller) -> None:
         state, cmds = self.state, self.cmds

@@ -47,7 +47,7 @@ from gradbus.codecs import hops, messages, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError, error_from
 
-from .actions import Send, Subscribe, Unsubscribe
+from .actions import Reconnect, Send, Subscribe, Unsubscribe
 from .cache import LiveBlock
 from .commands import (
     Forward,
@@ -80,7 +80,7 @@ def broker_interval(welcome: dict) -> float:
 class AgentState:
     def __init__(self, welcome: dict, *, cache, cond: threading.Condition, credit, versions,
                  stats, next_id, max_tensor_bytes: int, resend: ResendTimer | None,
-                 clock=time.monotonic, shm=None):
+                 clock=time.monotonic, shm=None, brokers: int = 1):
         self.cache, self.cond, self.credit, self.versions = cache, cond, credit, versions
         self.stats, self.next_id, self.max_tensor_bytes = stats, next_id, max_tensor_bytes
         self.resend = resend
@@ -94,6 +94,10 @@ class AgentState:
         self.last_heard = self.last_hb = now
         self.broker_silent = False
         self.stopped = False
+        # a broker pair (protocol section 23): the brokers known, and whether this client is
+        # on its way to the other one
+        self.brokers = brokers
+        self.leaving: str | None = None
         self.async_errors: list = []                # errors of pushes nobody waits on
         self.msg_futures: dict[int, Future] = {}    # msg -> Future of a push or init
         self.req_futures: dict[int, Future] = {}    # req -> Future of a request
@@ -252,6 +256,28 @@ class AgentState:
                 self._follow(p, False)
         self.cache.newly_live.clear()
 
+    # -- a broker pair -----------------------------------------------------------------------
+    def leave(self, why: str) -> None:
+        """Of a broker pair: go to the other broker (once, until :meth:`arrived`)."""
+        if self.brokers > 1 and self.leaving is None and not self.stopped:
+            self.leaving = why
+            self.out.append(Reconnect(why))
+
+    def arrived(self, welcome: dict) -> None:
+        """The agent reached a broker (the other one, or the same again) and its sockets are
+        open: one that is another process than the last gets everything unanswered again."""
+        self.leaving = None
+        self.stats["broker_switches"] += 1
+        self.heard()
+        with self.cond:
+            self.broker_silent = False
+            self.cond.notify_all()
+        self._run(messages.run_id(welcome.get("run")))
+
+    def stay(self) -> None:
+        """No broker answered: try again at the next tick that finds this one silent."""
+        self.leaving = None
+
     def link_lost(self) -> None:
         """The local link to the broker closed: what it may have carried unanswered goes
         again, now, on the DEALER (the broker's duplicate window applies each once)."""
@@ -290,6 +316,8 @@ class AgentState:
                 self.cond.notify_all()
             if silent:
                 self.stats["broker_silences"] += 1
+        if silent:
+            self.leave(f"the broker was silent for {now - self.last_heard:.1f}s")
         self.reads.due(now)
         if self.resend is not None and self.resend.unsettled:
             for frames in self.resend.due(now):
@@ -316,6 +344,11 @@ class AgentState:
     def _reply(self, frames) -> None:
         m = messages.unpack(frames[0], wire.CLIENT_KINDS)
         kind = m.kind
+        if kind == wire.ERROR and m.code == Code.NOT_ACTIVE.value:
+            # a standby: whatever it refused goes to the other broker, answered there
+            self.stats["not_active"] += 1
+            self.leave("the broker is the standby of its pair")
+            return
         if kind in (wire.ACK, wire.INIT_OK) or (kind == wire.ERROR and m.msg is not None):
             if kind == wire.ACK and m.free and self.shm is not None:
                 # the slots first: a push waiting for this ACK's credit finds room in the ring

@@ -85,8 +85,9 @@ class Client(PushMethods, TableMethods):
                  window_bytes: int = DEFAULT_WINDOW_BYTES,
                  resend_after: float | None = RESEND_AFTER,
                  curve: security.Curve | bool | None = None, shm: bool | None = None):
-        self.url = url or net.default_broker()
-        host, _ = net.split_url(self.url)
+        # one broker, or a broker pair's two (protocol section 23)
+        self.urls = net.broker_urls(url or net.default_broker())
+        self._at = 0
         tcodec.parse_chain(codec)
         if isinstance(client_id, str):
             client_id = client_id.encode()
@@ -118,9 +119,14 @@ class Client(PushMethods, TableMethods):
         self._rewritten: dict[str, float] = {}       # name -> since when a pull could not read it
         self.ctx = zmq.Context()
         try:
-            welcome = net.hello(self.ctx, self.url, "client", timeout, curve_configure,
-                                curve=self.curve)
-            self.shm = ClientShm.offered(welcome, shmem.wanted(shm), window_bytes)
+            at, welcome = net.hello_any(self.ctx, self.urls, 0, "client", timeout,
+                                        curve_configure, curve=self.curve)
+            self._at = at
+            host, _ = net.split_url(self.url)
+            # a client of a broker pair reads and pushes frames: its shared memory would be
+            # the active broker's, and it may move to the other
+            self.shm = ClientShm.offered(welcome, shmem.wanted(shm) and len(self.urls) == 1,
+                                         window_bytes)
             self.partitions = welcome["partitions"]
             # weights read as frames are followed by conflated delivery (no shared memory)
             self.cache = self.pipeline.cache = WeightCache(self.partitions,
@@ -131,11 +137,11 @@ class Client(PushMethods, TableMethods):
                 versions=self.versions, stats=self.stats, next_id=self._ids.__next__,
                 max_tensor_bytes=max_tensor_bytes,
                 resend=ResendTimer(resend_after, max(RESEND_MAX, resend_after))
-                if resend_after else None, shm=self.shm)
+                if resend_after else None, shm=self.shm, brokers=len(self.urls))
             self.agent = Agent(self.ctx, self.client_id, self.state, self._lock)
             link_name = (welcome.get("shm") or {}).get("link") if self.shm is not None else None
             self.agent.open(self.url, net.url(host, welcome["events"]), self.curve,
-                            curve_configure, link_name)
+                            curve_configure, link_name, urls=self.urls, at=at)
         except BaseException:
             self.ctx.destroy(linger=0)
             if getattr(self, "shm", None) is not None:
@@ -144,6 +150,12 @@ class Client(PushMethods, TableMethods):
         self.agent.start()
 
     # -- what other parts own, under the names tools and tests read ---------------------------
+    @property
+    def url(self) -> str:
+        """The client URL of the broker this client talks to (of a pair: the one it is on)."""
+        agent = getattr(self, "agent", None)
+        return self.urls[agent.at if agent is not None and agent.urls else self._at]
+
     window = property(lambda self: self.credit.window)
     window_bytes = property(lambda self: self.credit.window_bytes)
     error_feedback = property(lambda self: self.pipeline.error_feedback)

@@ -27,7 +27,11 @@ def status_text(st: dict, url: str) -> str:
     """``gradbus status``: a summary of a broker's status ``st`` (from ``url``), then one table
     each of shards, workers, tensors and (when there are any) embedding tables."""
     c = st["counters"]
-    lines = [
+    pair = [f"pair     {b['url']}  {b['role'].upper() if b['role'] == 'active' else b['role']}"
+            + (f"  epoch {b['epoch']}  takeovers {b['takeovers']}" if "epoch" in b else
+               f"  ({b.get('error', '')})")
+            for b in st.get("brokers", ())]
+    lines = pair + [
         f"broker   {url}  up {st['uptime_s']:.0f}s  partitions "
         f"{st['partitions_assigned']}/{st['partitions']} assigned"
         + (f"  DOWN {len(st['partitions_down'])}" if st["partitions_down"] else ""),

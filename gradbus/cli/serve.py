@@ -66,13 +66,20 @@ from gradbus.codecs.partition import DEFAULT_PARTITIONS
 @click.option("--expect-shards", type=click.IntRange(1), default=None,
               help="After a restart or restore: once this many shards registered, stop "
                    "waiting for others to bring partitions back.")
+@click.option("--peer", default=None, metavar="URL",
+              help="A broker pair: the other broker's pair address (its --peer-port). One of "
+                   "the two is active, the other a standby that takes over when it is gone; "
+                   "shards and clients name both brokers' client URLs, comma-separated.")
+@click.option("--peer-port", default=0, type=click.IntRange(0, 65535),
+              help="With --peer: the port this broker's pair address binds (0: a free one, "
+                   "printed as 'pair: URL').")
 @click.option("-v", "--verbose", count=True)
 def broker(host, port, backend_port, events_port, partitions, batch_window, shard_credit,
            max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
            verbose, curve, metrics_port, metrics_host, log_dir, log_fsync, replay_log,
-           replay_until, shm, expect_shards):
+           replay_until, shm, expect_shards, peer, peer_port):
     """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
-    with --metrics-port)."""
+    with --metrics-port, 'pair: URL' with --peer)."""
     opts.setup_logging(verbose)
     opts.server_process()
     from gradbus.broker.server import BrokerServer
@@ -87,26 +94,44 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
             log_kw["log"] = ulog.UpdateLog(log_dir, log_fsync)
     except (OSError, ValueError) as e:
         raise click.ClickException(f"update log: {e}")
+    if peer is not None and (log_kw or curve is not None):
+        raise click.UsageError("--peer runs without CURVE and without an update log for now")
+    pair_kw = {"peer": peer, "peer_port": peer_port} if peer is not None else {}
+
+    def start(pair=None):
+        return BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
+                            partitions=partitions, batch_window=batch_window,
+                            shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20,
+                            replicas=replicas, heartbeat_interval=heartbeat_interval,
+                            liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed,
+                            curve=curve, on_metrics=exporter.update if exporter else None,
+                            expect_shards=expect_shards, shm=shm, pair=pair, **pair_kw,
+                            **log_kw)
     try:
-        srv = BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
-                           partitions=partitions, batch_window=batch_window,
-                           shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20,
-                           replicas=replicas, heartbeat_interval=heartbeat_interval,
-                           liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed,
-                           curve=curve, on_metrics=exporter.update if exporter else None,
-                           expect_shards=expect_shards, shm=shm, **log_kw)
+        srv = start()
     except Exception as e:
         if exporter:
             exporter.close()
         raise click.ClickException(f"cannot start broker: {e}")
-    opts.on_signals(srv.stop)
+    stop = threading.Event()
+    opts.on_signals(lambda: (stop.set(), srv.stop()))
     click.echo(f"listening: {srv.url}", nl=True)
+    if srv.pair_link is not None:
+        click.echo(f"pair: {srv.pair_link.url}")
     if exporter:
-        srv.core.metrics_url = exporter.url
         click.echo(f"metrics: {exporter.url}")
     sys.stdout.flush()
     try:
-        srv.run()
+        while True:
+            if exporter:
+                srv.core.metrics_url = exporter.url
+            srv.run()
+            if srv.deposed is None or stop.is_set():
+                break
+            # deposed: the same ports again, as the standby, holding nothing
+            backend_port, events_port = srv.backend_port, srv.events_port
+            pair_kw["peer_port"] = srv.pair_link.port
+            srv = start(srv.pair)
     finally:
         if exporter:
             exporter.close()

@@ -63,11 +63,12 @@ with gradbus.connect(url, block_bytes=1 << 14, timeout=120) as c:
         row[i] = 1.0
         t0 = time.time()
         fut = c.push({"w": g, f"ledger{index}": row}, acks="all")
-        rec = [i, t0, time.time(), None, None]
+        rec = [i, t0, time.time(), None, None, None]
         def done(f, rec=rec):
             rec[3] = time.time()
             e = f.exception()
             rec[4] = e is None or getattr(e, "code", type(e).__name__)
+            rec[5] = c.url          # the broker that answered (of a pair: the one it is on)
         fut.add_done_callback(done)
         records.append(rec)
         i += 1
@@ -147,6 +148,62 @@ def _wait(cond, timeout: float, what: str):
         time.sleep(0.02)
 
 
+def ledger_counts(outs: list, ledgers: list) -> dict:
+    """What the clients' records and their ledgers say: pushes sent, acknowledged and failed
+    (by code), acknowledged ones applied 0 times (``lost``), ones applied more than once
+    (``duplicates``), and the clients' counters summed."""
+    sent = [len(o["records"]) for o in outs]
+    acked = [sum(1 for r in o["records"] if r[4] is True) for o in outs]
+    failed: dict = {}
+    for o in outs:
+        for r in o["records"]:
+            if r[4] is not True:
+                failed[str(r[4])] = failed.get(str(r[4]), 0) + 1
+    lost = dup = 0
+    for o, ledger in zip(outs, ledgers):
+        applied = np.rint(-ledger[:len(o["records"])]).astype(int)
+        lost += sum(1 for r, n in zip(o["records"], applied) if r[4] is True and n == 0)
+        dup += int((applied > 1).sum())
+    return {"pushes_sent": sum(sent), "pushes_acked": sum(acked), "pushes_failed": failed,
+            "lost": lost, "duplicates": dup,
+            **{k: sum(o["stats"][k] for o in outs) for k in outs[0]["stats"]}}
+
+
+def start_clients(url: str, clients: list, n: int = 2) -> list:
+    """``n`` CLIENT processes pushing to ``url``, appended to ``clients`` as they start (ready:
+    the layouts known)."""
+    for i in range(n):
+        p = subprocess.Popen([sys.executable, "-c", CLIENT, url, str(i), str(LEDGER)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        clients.append(p)
+        assert p.stdout.readline().strip() == "ready"
+    return clients
+
+
+def end_clients(clients: list) -> list:
+    """Tell the CLIENT processes to stop; their records and counters."""
+    outs = []
+    for p in clients:
+        p.stdin.close()
+        outs.append(json.loads(p.stdout.readline()))
+        p.wait(60)
+        p.stdout.close()
+    return outs
+
+
+def init_ledgers(url: str, n: int = 2) -> None:
+    with gradbus.connect(url, timeout=60) as c:
+        c.init({"w": np.zeros(N, np.float32),
+                **{f"ledger{i}": np.zeros(LEDGER, np.float32) for i in range(n)}},
+               optimizer=gradbus.SGD(lr=1.0))
+    _wait(lambda: admin.status(url)["under_replicated"] == 0, 60, "replicas")
+
+
+def read_ledgers(url: str, n: int = 2) -> list:
+    with gradbus.connect(url, timeout=60) as c:    # a fresh snapshot from the primaries
+        return [c.pull([f"ledger{i}"])[f"ledger{i}"].copy() for i in range(n)]
+
+
 def run(hogs: int, rounds: int, pause: float, settle: float, liveness: int | None) -> dict:
     data = tempfile.mkdtemp(prefix="gradbus-restart-")
     hb = ["--liveness", str(liveness)] if liveness else []
@@ -164,16 +221,8 @@ def run(hogs: int, rounds: int, pause: float, settle: float, liveness: int | Non
                  "--data-dir", os.path.join(data, f"s{i}"), *hb],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         _wait(lambda: len(broker.registered) >= 2, 60, "2 shards")
-        with gradbus.connect(url) as c:
-            c.init({"w": np.zeros(N, np.float32),
-                    **{f"ledger{i}": np.zeros(LEDGER, np.float32) for i in range(2)}},
-                   optimizer=gradbus.SGD(lr=1.0))
-            _wait(lambda: admin.status(url)["under_replicated"] == 0, 60, "replicas")
-        for i in range(2):
-            p = subprocess.Popen([sys.executable, "-c", CLIENT, url, str(i), str(LEDGER)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            clients.append(p)
-            assert p.stdout.readline().strip() == "ready"
+        init_ledgers(url)
+        start_clients(url, clients)
         time.sleep(settle)
         marks = []
         for _ in range(rounds):
@@ -185,14 +234,8 @@ def run(hogs: int, rounds: int, pause: float, settle: float, liveness: int | Non
             _wait(lambda: len(broker.registered) >= 2, 60, "the shards to register again")
             marks.append((t_kill, t_listen, max(broker.registered[:2])))
             time.sleep(settle)
-        outs = []
-        for p in clients:
-            p.stdin.close()
-            outs.append(json.loads(p.stdout.readline()))
-            p.wait(60)
-            p.stdout.close()
-        with gradbus.connect(url, timeout=60) as c:    # a fresh snapshot from the primaries
-            ledgers = [c.pull([f"ledger{i}"])[f"ledger{i}"].copy() for i in range(2)]
+        outs = end_clients(clients)
+        ledgers = read_ledgers(url)
     finally:
         end_processes([*procs, broker.proc, broker.spare, *hog_procs, *clients], 10)
     per_round = []
@@ -207,25 +250,9 @@ def run(hogs: int, rounds: int, pause: float, settle: float, liveness: int | Non
             "listen_s": round(t_listen - t_kill, 3), "registered_s": round(t_reg - t_kill, 3),
             "first_ack_s": None if None in firsts else round(max(firsts) - t_reg, 3),
             "blocked_s": None if blocked is None else round(blocked, 3)})
-    sent = [len(o["records"]) for o in outs]
-    acked = [sum(1 for r in o["records"] if r[4] is True) for o in outs]
-    failed: dict = {}
-    for o in outs:
-        for r in o["records"]:
-            if r[4] is not True:
-                failed[str(r[4])] = failed.get(str(r[4]), 0) + 1
-    lost = dup = 0
-    for o, ledger in zip(outs, ledgers):
-        applied = np.rint(-ledger[:len(o["records"])]).astype(int)
-        lost += sum(1 for r, n in zip(o["records"], applied) if r[4] is True and n == 0)
-        dup += int((applied > 1).sum())
     firsts = [r["first_ack_s"] for r in per_round if r["first_ack_s"] is not None]
     return {"bench": "broker_restart", "hogs": hogs, "rounds": rounds, "pause_s": pause,
-            "liveness": liveness,
-            "pushes_sent": sum(sent), "pushes_acked": sum(acked), "pushes_failed": failed,
-            "lost": lost,
-            "duplicates": dup,
-            **{k: sum(o["stats"][k] for o in outs) for k in outs[0]["stats"]},
+            "liveness": liveness, **ledger_counts(outs, ledgers),
             "first_ack_s_max": max(firsts) if firsts else None,
             "blocked_s_max": max((r["blocked_s"] for r in per_round
                                   if r["blocked_s"] is not None), default=None),

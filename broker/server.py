@@ -318,8 +318,10 @@ class BrokerServer:
         core, now = self.core, self.clock()
         core.broker_epoch = epoch
         core.recovery.started = core.recovery.now = now   # hearing from its shards from now
-        log.warning("broker pair: this broker is active now, epoch %d (shard %r registered "
-                    "while the peer was silent)", epoch, shard)
+        why = ("both were standby, and this one ranks higher" if self.pair.peer_alive(now)
+               else "the peer is silent")
+        log.warning("broker pair: this broker is active now, epoch %d (shard %r registered; "
+                    "%s)", epoch, shard, why)
         self.pair_link.beat(self.pair.beat())
 
     def _deposed(self, deposed: Deposed | None, why: str) -> None:

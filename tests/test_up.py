@@ -56,7 +56,8 @@ class Up:
         return self.url
 
     def children(self) -> dict[str, int]:
-        """role ("broker" or the shard id) -> pid, of the processes alive under up."""
+        """role ("broker" or the shard id) -> pid, of the processes alive under up (of a
+        broker pair: "broker:PORT", by its client port)."""
         out = {}
         try:
             with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
@@ -75,7 +76,10 @@ class Up:
             if cmd not in ("broker", "shard"):   # forked, not yet the program it runs
                 continue
             self.seen.add(pid)
-            out["broker" if cmd == "broker" else argv[argv.index("--id") + 1]] = pid
+            if cmd == "broker" and "--peer" in argv:
+                out[f"broker:{argv[argv.index('--port') + 1]}"] = pid
+            else:
+                out["broker" if cmd == "broker" else argv[argv.index("--id") + 1]] = pid
         return out
 
     def stderr(self) -> str:
@@ -145,6 +149,39 @@ def test_a_sigkilled_broker_comes_back_on_its_ports_and_no_acked_push_is_lost(up
     assert {k: v for k, v in u.children().items() if k != "broker"} == {
         "shard-0": first["shard-0"], "shard-1": first["shard-1"]}   # the shards stayed up
     assert "broker exited with -9; starting it again" in u.stderr()
+    u.proc.send_signal(signal.SIGTERM)
+    assert u.proc.wait(30) == 0, u.stderr()
+
+
+def test_up_runs_a_broker_pair_and_a_killed_active_broker_comes_back_as_the_standby(up):
+    u = up("--shards", "2", "--brokers", "2", "--replicas", "2")
+    url = u.ready()
+    assert len(url.split(",")) == 2
+    wait_for(lambda: [b["role"] for b in admin.status(url)["brokers"]].count("active") == 1,
+             30, "one active broker")
+    active = next(b for b in admin.status(url)["brokers"] if b["role"] == "active")
+    port = net.split_url(active["url"])[1]
+    first = u.children()
+    assert len([k for k in first if k.startswith("broker:")]) == 2
+    n, w0 = 30, np.zeros(3000, np.float32)
+    with gradbus.connect(url, block_bytes=2048) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        for _ in range(n):
+            c.push({"w": np.ones_like(w0)}, acks="all")
+        c.flush(30)
+        os.kill(first[f"broker:{port}"], signal.SIGKILL)
+        for _ in range(n):       # through the standby, at once
+            c.push({"w": np.ones_like(w0)}, acks="all")
+        c.flush(60)
+        w = c.pull(["w"], min_version=2 * n, timeout=30)["w"]
+        assert c.url != active["url"]
+    assert np.array_equal(w, w0 - 2 * n * LR)
+    wait_for(lambda: u.children().get(f"broker:{port}") not in (None, first[f"broker:{port}"]),
+             30, "up to start the killed broker again")
+    wait_for(lambda: {b["url"]: b["role"] for b in admin.status(url)["brokers"]}
+             == {active["url"]: "standby",
+                 next(x for x in url.split(",") if x != active["url"]): "active"},
+             30, "the killed broker back as the standby")
     u.proc.send_signal(signal.SIGTERM)
     assert u.proc.wait(30) == 0, u.stderr()
 

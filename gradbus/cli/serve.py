@@ -224,8 +224,12 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
 @click.option("--max-restarts", default=RESTARTS, show_default=True, type=click.IntRange(0),
               help=f"Restarts of one process within {RESTART_WINDOW:g}s before up gives up "
                    "and exits non-zero (0: none).")
+@click.option("--brokers", default=1, show_default=True, type=click.IntRange(1, 2),
+              help="2: a broker pair, an active broker (on --port) and a standby (on a free "
+                   "port) that takes over when it dies; 'ready:' names both URLs, for "
+                   "clients and ops commands.")
 def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backend_port,
-       events_port, data_dir, shm, max_restarts):
+       events_port, data_dir, shm, max_restarts, brokers):
     """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM.
 
     A process that dies is started again after a back-off: the broker on the same ports, a
@@ -240,6 +244,9 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
     if replicas > shards:
         raise click.BadParameter(f"{replicas} replicas need at least as many shards "
                                  f"(--shards {shards})", param_hint="--replicas")
+    if brokers == 2 and (curve_dir or backend_port or events_port):
+        raise click.UsageError("--brokers 2 runs without --curve, on free backend and events "
+                               "ports")
     if data_dir is None:    # the shards read the setting too: up restarts them from it
         data_dir = config.resolve(config.loaded(ctx))["shard.data_dir"].value
     try:
@@ -247,7 +254,7 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
                                replicas=replicas, broker_args=forward, shard_args=forward,
                                curve_dir=curve_dir, metrics_port=metrics_port,
                                backend_port=backend_port or 0, events_port=events_port or 0,
-                               data_dir=data_dir)
+                               data_dir=data_dir, brokers=brokers)
     except (GradbusError, OSError) as e:
         raise click.ClickException(str(e))
     _run_cluster(cluster, stop, RestartPolicy(max_restarts))

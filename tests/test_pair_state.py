@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+import gradbus
 from gradbus.broker.pair import ACTIVE, STANDBY, Deposed, Pair
 from gradbus.codecs import net, wire
 from gradbus.codecs.errors import Code, GradbusError
@@ -114,3 +115,42 @@ def test_broker_url_lists_are_checked():
     for bad in ("", "tcp://a:1,", "tcp://a:1,http://b:2", "tcp://a:1,tcp://a:1"):
         with pytest.raises(GradbusError):
             net.broker_urls(bad)
+
+
+# ------------------------------------------------------------------ one broker's loop
+@pytest.fixture
+def lone_pair_broker():
+    """A broker of a pair whose peer never answers (its pair address is a free port)."""
+    from gradbus.broker.server import BrokerServer
+    from gradbus.cluster import free_ports
+    peer, mine = free_ports(2)
+    srv = BrokerServer("127.0.0.1", 0, shm=False, peer=f"tcp://127.0.0.1:{peer}",
+                       peer_port=mine)
+    t = srv.start_thread()
+    yield srv
+    srv.stop()
+    t.join(10)
+
+
+def test_a_lone_standby_answers_not_active_then_a_shard_makes_it_active(lone_pair_broker):
+    from gradbus import admin
+
+    from .rigs import backend_peer, unpack, wait_for
+    srv = lone_pair_broker
+    assert admin.status(srv.url)["pair"]["role"] == STANDBY       # ops may ask a standby
+    with pytest.raises(GradbusError) as e:
+        gradbus.connect(srv.url, timeout=5)
+    assert e.value.code == Code.NOT_ACTIVE
+    with backend_peer(srv.url, routing_id=b"S1") as s:
+        s.send(wire.pack(wire.HEARTBEAT))         # not a REGISTER: refused, nothing changes
+        assert s.poll(10_000) and unpack(s.recv())["code"] == Code.NOT_ACTIVE.value
+        s.send(wire.pack(wire.REGISTER, shard="s0", holds=[], bepoch=6))
+        assert s.poll(10_000)
+        got = unpack(s.recv())
+        assert got["kind"] == wire.REGISTERED and got["bepoch"] == 7, got
+        assert srv.pair.active and srv.core.broker_epoch == 7
+        # a shard that has seen a newer broker epoch fences it: its loop ends, deposed
+        s.send(wire.error(Code.FENCED, "seen newer", bepoch=9))
+        wait_for(lambda: srv.deposed is not None, 10, "the broker deposed")
+    assert srv.deposed.epoch == 9 and not srv.pair.active
+

@@ -12,7 +12,7 @@ import logging
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gradbus.codecs import messages, net, wire
+from gradbus.codecs import messages, net, security, wire
 from gradbus.codecs.errors import WireError
 
 log = logging.getLogger("gradbus.broker")
@@ -22,7 +22,11 @@ DRAIN_MAX = 64
 
 
 class PairLink:
-    def __init__(self, ctx: zmq.Context, host: str, port: int, peer: str):
+    def __init__(self, ctx: zmq.Context, host: str, port: int, peer: str,
+                 curve: security.Curve | None = None, auth=None):
+        """``curve``: the broker's CURVE settings; both brokers of a pair hold the same key
+        pair, and the pair link admits that key alone (``auth``, the broker's
+        :class:`~gradbus.codecs.security.Authenticator`)."""
         net.split_url(peer)
         self.peer = peer
         self.pub = self.sub = self.mon = None
@@ -30,6 +34,9 @@ class PairLink:
             self.pub = ctx.socket(zmq.PUB)
             net.tune(self.pub)
             self.pub.sndhwm = 16
+            if curve is not None:
+                auth.admit_pair(curve.public)
+                security.server_setup(self.pub, curve, security.PAIR_ZAP_DOMAIN)
             if port == 0:
                 self.port = self.pub.bind_to_random_port(f"tcp://{host}")
             else:
@@ -39,6 +46,9 @@ class PairLink:
             net.tune(self.sub)
             self.sub.rcvhwm = 16
             self.sub.subscribe(b"")
+            if curve is not None:
+                security.client_setup(self.sub, security.Curve(curve.public, curve.secret,
+                                                               server_key=curve.public))
             self.mon = self.sub.get_monitor_socket(zmq.EVENT_CONNECTED
                                                    | zmq.EVENT_DISCONNECTED)
             self.sub.connect(peer)

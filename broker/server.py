@@ -116,17 +116,16 @@ class BrokerServer:
         self.pair = self.pair_link = None
         self.deposed: Deposed | None = None     # set when the loop ended deposed
         if peer is not None:
-            if curve is not None or log is not None or core_kw.get("replay") is not None:
+            if log is not None or core_kw.get("replay") is not None:
                 self.close()
-                raise ValueError("a broker pair (peer=) runs without CURVE and without an "
-                                 "update log for now")
+                raise ValueError("a broker pair (peer=) runs without an update log for now")
             s = self.core.settings
             self.pair = pair or Pair(self.core.run, now=clock(),
                                      heartbeat_interval=s.heartbeat_interval,
                                      liveness=s.liveness)
             self.pair.run = self.core.run
             try:
-                self.pair_link = PairLink(self.ctx, host, peer_port, peer)
+                self.pair_link = PairLink(self.ctx, host, peer_port, peer, curve, self.auth)
             except BaseException:
                 self.close()
                 raise

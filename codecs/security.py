@@ -43,6 +43,7 @@ log = logging.getLogger("gradbus.security")
 
 #: The ZAP domain of every gradbus CURVE server socket (the authenticator answers for it).
 ZAP_DOMAIN = "gradbus"
+PAIR_ZAP_DOMAIN = "gradbus-pair"    # a broker pair's link: only the brokers' own key
 PUBLIC_SUFFIX = ".key"
 SECRET_SUFFIX = ".key_secret"
 #: The SDK's default key pair and broker key, when ``connect(curve=None)``.
@@ -249,12 +250,12 @@ def grant(allow_dir: str | os.PathLike, public_file: str | os.PathLike, roles) -
 
 # -- sockets ---------------------------------------------------------------------------------
 
-def server_setup(sock: zmq.Socket, curve: Curve) -> zmq.Socket:
+def server_setup(sock: zmq.Socket, curve: Curve, domain: str = ZAP_DOMAIN) -> zmq.Socket:
     """Make ``sock`` a CURVE server under the gradbus ZAP domain (before it binds)."""
     sock.curve_secretkey = curve.secret
     sock.curve_publickey = curve.public
     sock.curve_server = True
-    sock.zap_domain = ZAP_DOMAIN.encode()
+    sock.zap_domain = domain.encode()
     return sock
 
 
@@ -289,15 +290,22 @@ class HandshakeWatch:
     mid-handshake also causes: those fail after ``limit`` of them (None: never)."""
 
     def __init__(self, sock: zmq.Socket, curve: Curve | None, url: str, failures: int = 0,
-                 limit: int | None = 3):
+                 limit: int | None = 3, closing: bool = False):
+        """``closing``: also count the connection's closings (:attr:`closed`), for a socket
+        that can have no other monitor."""
         self.sock, self.curve, self.url, self.limit = sock, curve, url, limit
-        self.mon = sock.get_monitor_socket(_FAILED)
+        self.mon = sock.get_monitor_socket(_FAILED | (zmq.EVENT_DISCONNECTED if closing
+                                                      else 0))
         self.mon.linger = 0
         self.failures = failures   # failed handshakes so far (carried over from earlier sockets)
+        self.closed = 0
 
     def check(self) -> None:
         """Raise :class:`SecurityError` if the handshakes so far say the broker refuses us."""
         for event, value in _events(self.mon):
+            if event == zmq.EVENT_DISCONNECTED:
+                self.closed += 1
+                continue
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise SecurityError(
                     f"the broker at {self.url} refused this process's CURVE key "
@@ -436,6 +444,11 @@ class Authenticator:
         self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("gradbus.zap"))
         self._auth.configure_curve_callback(ZAP_DOMAIN, self.allow)
 
+    def admit_pair(self, public: bytes) -> None:
+        """A broker pair's link (:data:`PAIR_ZAP_DOMAIN`) admits one key: the brokers' own
+        (both brokers of a pair hold one key pair)."""
+        self._auth.configure_curve_callback(PAIR_ZAP_DOMAIN, _OneKey(public))
+
     def start(self) -> "Authenticator":
         self._auth.start()
         self._auth.thread.name = "gradbus-zap"
@@ -443,6 +456,17 @@ class Authenticator:
 
     def stop(self) -> None:
         self._auth.stop()
+
+
+class _OneKey:
+    def __init__(self, public: bytes):
+        self.public = public
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        if key != self.public:
+            log.warning("refused CURVE key %s on the pair link: not this broker's",
+                        key.decode(errors="replace"))
+        return key == self.public
 
 
 # -- a local cluster's keys ------------------------------------------------------------------

@@ -88,9 +88,9 @@ class LocalCluster:
             raise ValueError("a cluster needs at least one shard")
         if brokers not in (1, 2):
             raise ValueError("a cluster has one broker, or a pair (brokers=2)")
-        if brokers == 2 and (not processes or curve_dir or backend_port or events_port):
-            raise ValueError("a broker pair runs as processes, without CURVE, its ports "
-                             "but the first broker's client port free ones")
+        if brokers == 2 and (not processes or backend_port or events_port):
+            raise ValueError("a broker pair runs as processes, its ports but the first "
+                             "broker's client port free ones")
         # a broker pair (protocol section 23): "broker" and "broker-b", each on four ports
         # pinned at the start (client, backend, events, pair), so that either can be
         # restarted where the other, the shards and the clients look for it

@@ -26,7 +26,8 @@ def roles(cluster) -> dict:
     out = {}
     for name in cluster.broker_names:
         try:
-            p = admin.status(cluster.broker_url(name), timeout=1.0)["pair"]
+            p = admin.status(cluster.broker_url(name), timeout=1.0,
+                             curve=cluster.curve)["pair"]
             out[name] = (p["role"], p["epoch"])
         except GradbusError:
             out[name] = None
@@ -148,3 +149,23 @@ def test_a_frozen_active_broker_is_deposed_when_it_wakes(make_cluster):
     assert e.value.code == Code.NOT_ACTIVE
     assert admin.status(cluster.url)["pair"]["takeovers"] == 1
     replicas_agree(cluster.url)
+
+
+def test_a_pair_with_curve_on_hands_over_too(make_cluster, tmp_path):
+    """Both brokers hold one key pair; the pair link admits that key alone. A CURVE client
+    (whose socket's one monitor is its handshake watch) still moves at once."""
+    cluster = make_cluster(1, brokers=2, curve_dir=str(tmp_path / "keys"))
+    first = active(cluster)
+    with gradbus.connect(cluster.url, curve=cluster.curve, timeout=60) as c:
+        c.init({"w": np.zeros(N, np.float32)}, optimizer=gradbus.SGD(lr=LR))
+        g = np.ones(N, np.float32)
+        for _ in range(10):
+            c.push({"w": g}).result(30)
+        cluster.broker_procs[first].kill()
+        for _ in range(10):
+            c.push({"w": g}).result(30)
+        w = c.pull(["w"], min_version=20, timeout=30)["w"]
+        assert c.url == cluster.broker_url(next(n for n in cluster.broker_names
+                                                if n != first))
+        assert c.stats["broker_switches"] == 1
+    assert np.array_equal(w, np.full(N, -LR * 20, np.float32))

@@ -94,12 +94,13 @@ class Agent(threading.Thread):
         if curve is not None:
             security.client_setup(self.dealer, curve)
             # a key refused later (revoked, then a reconnect) stops the client with that error
-            self.watch = security.HandshakeWatch(self.dealer, curve, url, limit=None)
+            self.watch = security.HandshakeWatch(self.dealer, curve, url, limit=None,
+                                                 closing=len(self.urls) > 1)
         if curve_configure:
             curve_configure(self.dealer)
         if len(self.urls) > 1 and self.watch is None:
             # a broker whose process went away is left at once (a socket has one monitor:
-            # with CURVE, the handshake watch's; then the broker's silence says it)
+            # with CURVE, the handshake watch counts the closings)
             self.gone = net.watch_closing(self.dealer)
         self.dealer.connect(url)
         self.sub = self.ctx.socket(zmq.SUB)
@@ -147,7 +148,10 @@ class Agent(threading.Thread):
                     link_flags = 0
                 ready = dict(poller.poll(timeout))
                 if self.watch is not None and self.watch.mon in ready:
+                    closed = self.watch.closed
                     self.watch.check()
+                    if self.watch.closed > closed:
+                        state.leave("the connection to the broker closed")
                 if self.gone is not None and self.gone in ready:
                     recv_monitor_message(self.gone)
                     state.leave("the connection to the broker closed")

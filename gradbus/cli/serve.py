@@ -94,8 +94,8 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
             log_kw["log"] = ulog.UpdateLog(log_dir, log_fsync)
     except (OSError, ValueError) as e:
         raise click.ClickException(f"update log: {e}")
-    if peer is not None and (log_kw or curve is not None):
-        raise click.UsageError("--peer runs without CURVE and without an update log for now")
+    if peer is not None and log_kw:
+        raise click.UsageError("--peer runs without an update log for now")
     pair_kw = {"peer": peer, "peer_port": peer_port} if peer is not None else {}
 
     def start(pair=None):
@@ -244,9 +244,8 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
     if replicas > shards:
         raise click.BadParameter(f"{replicas} replicas need at least as many shards "
                                  f"(--shards {shards})", param_hint="--replicas")
-    if brokers == 2 and (curve_dir or backend_port or events_port):
-        raise click.UsageError("--brokers 2 runs without --curve, on free backend and events "
-                               "ports")
+    if brokers == 2 and (backend_port or events_port):
+        raise click.UsageError("--brokers 2 runs on free backend and events ports")
     if data_dir is None:    # the shards read the setting too: up restarts them from it
         data_dir = config.resolve(config.loaded(ctx))["shard.data_dir"].value
     try:

@@ -59,14 +59,17 @@ def replicas_identical(url: str) -> bool:
     return bool(by_p) and all(len(v) == 1 for v in by_p.values())
 
 
+LEDGER = 1 << 17        # pushes per client at most: more than 10 rounds of pushing take
+
+
 def run(kills: int, settle: float) -> dict:
     cluster = LocalCluster(2, brokers=2, replicas=2).start()
     clients: list = []
     rounds = []
     try:
         url = cluster.url
-        init_ledgers(url)
-        start_clients(url, clients)
+        init_ledgers(url, ledger=LEDGER)
+        start_clients(url, clients, ledger=LEDGER)
         for _ in range(kills):
             time.sleep(settle)
             active = next(n for n in cluster.broker_names if role(cluster, n) == "active")
@@ -105,7 +108,10 @@ def run(kills: int, settle: float) -> dict:
         xs = [r[key] for r in rounds if r[key] is not None]
         return {f"{key}_median": round(statistics.median(xs), 3) if xs else None,
                 f"{key}_max": max(xs) if xs else None}
-    return {"bench": "broker_pair", "kills": kills, **stat("takeover_s"),
+    idle = sum(1 for r in rounds if r["both_acked_s"] is None)
+    return {"bench": "broker_pair", "kills": kills,
+            "rounds_without_both_clients": idle,      # a client had stopped (its ledger full)
+            **stat("takeover_s"),
             **stat("first_ack_s"), **stat("both_acked_s"), **counts,
             "applied": applied, "exact": bool(np.all(w == -applied)),
             "replicas_identical": identical, "rounds": rounds}

@@ -169,11 +169,11 @@ def ledger_counts(outs: list, ledgers: list) -> dict:
             **{k: sum(o["stats"][k] for o in outs) for k in outs[0]["stats"]}}
 
 
-def start_clients(url: str, clients: list, n: int = 2) -> list:
-    """``n`` CLIENT processes pushing to ``url``, appended to ``clients`` as they start (ready:
-    the layouts known)."""
+def start_clients(url: str, clients: list, n: int = 2, ledger: int = LEDGER) -> list:
+    """``n`` CLIENT processes pushing to ``url`` (at most ``ledger`` pushes each), appended to
+    ``clients`` as they start (ready: the layouts known)."""
     for i in range(n):
-        p = subprocess.Popen([sys.executable, "-c", CLIENT, url, str(i), str(LEDGER)],
+        p = subprocess.Popen([sys.executable, "-c", CLIENT, url, str(i), str(ledger)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         clients.append(p)
         assert p.stdout.readline().strip() == "ready"
@@ -191,10 +191,10 @@ def end_clients(clients: list) -> list:
     return outs
 
 
-def init_ledgers(url: str, n: int = 2) -> None:
+def init_ledgers(url: str, n: int = 2, ledger: int = LEDGER) -> None:
     with gradbus.connect(url, timeout=60) as c:
         c.init({"w": np.zeros(N, np.float32),
-                **{f"ledger{i}": np.zeros(LEDGER, np.float32) for i in range(n)}},
+                **{f"ledger{i}": np.zeros(ledger, np.float32) for i in range(n)}},
                optimizer=gradbus.SGD(lr=1.0))
     _wait(lambda: admin.status(url)["under_replicated"] == 0, 60, "replicas")
 

@@ -9,6 +9,14 @@
 #
 #   docker/smoke.sh                                        # from anywhere in the repository
 #   PYTHON_IMAGE=IMAGE docker/smoke.sh                     # a local base image (no registry)
+#   PAIR=1 docker/smoke.sh                                 # a broker pair (see below)
+#
+# PAIR=1 lays docker/docker-compose.pair.yml over the stack (a standby broker, broker-b), and
+# once the workers' pushes are being applied SIGKILLs the active broker's process (from the
+# host: it needs the right to signal it, root or the docker host's user); the workers must
+# still finish with the accuracy asked, the other broker must be active with a take-over
+# counted, and every shard alive. Workers of a pair use TCP frames, so the shared-memory
+# checks are left out there.
 #
 # Settings (environment): PYTHON_IMAGE (the Dockerfile's build argument; default: the
 # Dockerfile's own), COMPOSE (default: `docker compose` where it works, else `docker-compose`),
@@ -38,7 +46,10 @@ fail() { say "FAIL: $*"; exit 1; }
 
 work=$(mktemp -d)
 export COMPOSE_PROFILES=monitoring   # its services start only when named below; down removes them
-dc() { "${compose[@]}" -p "$project" -f "$work/docker/docker-compose.yml" "$@"; }
+pair=${PAIR:-0}
+files=(-f "$work/docker/docker-compose.yml")
+[[ $pair == 1 ]] && files+=(-f "$work/docker/docker-compose.pair.yml")
+dc() { "${compose[@]}" -p "$project" "${files[@]}" "$@"; }
 cleanup() {
   local rc=$?
   trap - EXIT
@@ -68,8 +79,9 @@ docker image inspect "$image" >/dev/null 2>&1 || fail "no image $image"
 
 # 2. the stack's files, with fresh key pairs (secret keys owned by the containers' uid 10001)
 mkdir -p "$work/docker/keys"
-cp -r "$here/docker-compose.yml" "$here/gradbus.toml" "$here/prometheus.yml" "$here/alerts.yml" \
-  "$here/alertmanager.yml" "$here/grafana" "$work/docker/"
+cp -r "$here/docker-compose.yml" "$here/docker-compose.pair.yml" "$here/gradbus.toml" \
+  "$here/prometheus.yml" "$here/alerts.yml" "$here/alertmanager.yml" "$here/grafana" \
+  "$work/docker/"
 docker run --rm --user 0 --entrypoint sh -v "$work/docker/keys:/keys" "$image" -c \
   'gradbus keys generate /keys --name broker --role operator >/dev/null
    gradbus keys generate /keys --name shard --role shard >/dev/null
@@ -77,6 +89,7 @@ docker run --rm --user 0 --entrypoint sh -v "$work/docker/keys:/keys" "$image" -
    chown 10001:10001 /keys/*.key_secret' || fail "could not make the key pairs"
 
 services=(broker shard-0 shard-1 shard-2 worker-0 worker-1)
+[[ $pair == 1 ]] && services=(broker broker-b shard-0 shard-1 shard-2 worker-0 worker-1)
 for svc in prometheus alertmanager grafana; do
   img=$(grep -oE "image: *(prom/prometheus|prom/alertmanager|grafana/grafana):[^ ]+" "$here/docker-compose.yml" \
         | sed 's/image: *//' | grep -m1 "/$svc:" || true)
@@ -96,6 +109,27 @@ say "up in $((SECONDS - t0)) s; waiting for the workers (up to $timeout_s s)"
 
 cid() { dc ps -q "$1"; }
 deadline=$((SECONDS + timeout_s))
+asked=broker
+if [[ $pair == 1 ]]; then
+  # 3b. the active broker SIGKILLed once the workers' pushes are being applied
+  asked=broker-b
+  while :; do
+    active=$(dc exec -T broker-b sh -c 'gradbus status --json --timeout 5 2>/dev/null | python -c "
+import json, sys
+st = json.load(sys.stdin)
+act = [b[\"url\"] for b in st.get(\"brokers\", []) if b[\"role\"] == \"active\"]
+applied = int(st[\"counters\"].get(\"pushes_applied\", 0))
+print((\"broker-b\" if act[0].endswith(\":5565\") else \"broker\") if len(act) == 1 and applied > 100 else \"\")
+"' 2>/dev/null || true)
+    [[ -n $active ]] && break
+    ((SECONDS < deadline)) || fail "no active broker applying pushes within $timeout_s s"
+    sleep 2
+  done
+  pid=$(docker inspect -f '{{.State.Pid}}' "$(cid "$active")")
+  say "SIGKILL of the active broker, $active (pid $pid on the host)"
+  kill -9 "$pid" || fail "could not SIGKILL $active's process"
+  [[ $active == broker-b ]] && asked=broker
+fi
 for w in worker-0 worker-1; do
   while :; do
     id=$(cid "$w")
@@ -108,6 +142,23 @@ done
 say "workers done $((SECONDS - t0)) s after up"
 
 # 4. gradbus status, asked in the broker's container with its keys
+if [[ $pair == 1 ]]; then
+  want=$([[ $active == broker ]] && echo 5565 || echo 5555)    # the one not killed
+  dc exec -T -e WANT="$want" "$asked" sh -c 'GRADBUS_CLIENT_BROKER=tcp://broker:5555,tcp://broker-b:5565 \
+    gradbus status --json --timeout 10 | python -c "
+import os
+import json, sys
+st = json.load(sys.stdin)
+alive = sorted(s[\"id\"] for s in st[\"shards\"] if s[\"alive\"])
+roles = {b[\"url\"]: b[\"role\"] for b in st[\"brokers\"]}
+applied = int(st[\"counters\"].get(\"pushes_applied\", 0))
+print(\"  shards alive:\", \" \".join(alive), \" pushes applied:\", applied, \" brokers:\", roles,
+      \" take-overs:\", st[\"pair\"][\"takeovers\"])
+act = [u for u, r in roles.items() if r == \"active\"]
+sys.exit(0 if len(alive) == 3 and applied > 0 and len(act) == 1
+         and act[0].endswith(\":\" + os.environ[\"WANT\"]) else 1)
+"' || fail "gradbus status: want 3 shards alive and the broker not killed active"
+else
 dc exec -T broker gradbus status --timeout 10 | sed 's/^/  /' || fail "gradbus status failed"
 dc exec -T broker sh -c 'gradbus status --json --timeout 10 | python -c "
 import json, sys
@@ -120,6 +171,7 @@ print(\"  shards alive:\", \" \".join(alive), \" pushes applied:\", applied,
       \" through shared memory:\", freed, \" shards on shared memory:\", shm)
 sys.exit(0 if len(alive) == 3 and applied > 0 and freed > 0 and shm else 1)
 "' || fail "gradbus status: want 3 shards alive, on shared memory, and pushes applied through it"
+fi
 
 # 5. each worker's last line: a JSON summary with the demo model's test accuracy
 for w in worker-0 worker-1; do

@@ -62,7 +62,7 @@ class _Checked(click.ParamType):
         return value
 
 
-BROKER_URL = _Checked("url", net.split_url)
+BROKER_URL = _Checked("url", net.broker_urls)     # one, or a broker pair's two
 WEIGHTS_CODEC = _Checked("codec", wire.split_weights_codec)
 PORT = click.IntRange(0, 65535)
 PATH = click.Path(dir_okay=True, file_okay=True)
@@ -158,7 +158,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shard", "checkpoint_keep", click.IntRange(1), 3,
             "Checkpoints kept per shard.", feeds=("shard --checkpoint-keep",)),
     # [client]
-    Setting("client", "broker", BROKER_URL, net.DEFAULT_BROKER, "The broker's client URL.",
+    Setting("client", "broker", BROKER_URL, net.DEFAULT_BROKER,
+            "The broker's client URL (a broker pair: both, comma-separated).",
             feeds=("shard --broker", "status --broker", "top --broker", "worker --broker"),
             env_aliases=("GRADBUS_BROKER",)),
     Setting("client", "window", click.IntRange(1), DEFAULT_WINDOW,

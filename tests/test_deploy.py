@@ -1316,3 +1316,49 @@ def test_deployment_keys_are_made_with_their_roles():
     assert problems == []
     assert key_generation_problems("gradbus keys generate docker/keys --name worker", "x") == [
         "x: worker key made with roles [], want ['client']"]
+
+
+# -- the broker pair's compose override ------------------------------------------------------
+
+PAIR_COMPOSE = DOCKER / "docker-compose.pair.yml"
+
+
+def _merged_pair(base: dict) -> dict:
+    """docker-compose.pair.yml laid over ``base`` as compose does it: a service's keys replace
+    the base's, its ``environment`` merged by name."""
+    doc = copy.deepcopy(base)
+    for name, svc in load_yaml(PAIR_COMPOSE)["services"].items():
+        into = doc["services"].setdefault(name, {})
+        env = {**(into.get("environment") or {}), **(svc.get("environment") or {})}
+        into.update(svc)
+        if env:
+            into["environment"] = env
+    return doc
+
+
+def test_the_pair_override_runs_two_brokers_that_name_each_other(compose_doc, final_stage):
+    doc = _merged_pair(compose_doc)
+    procs = compose_procs(doc, healthcheck_args(final_stage))
+    assert check_parsed(procs) == []
+    assert sorted(p.command for p in procs if p.where.endswith(" command")) == [
+        "broker", "broker", "shard", "shard", "shard", "worker", "worker"]
+    a, b = (doc["services"][n]["command"] for n in ("broker", "broker-b"))
+
+    def opt(cmd, flag):
+        return cmd[cmd.index(flag) + 1]
+    assert opt(a, "--peer") == f"tcp://broker-b:{opt(b, '--peer-port')}"
+    assert opt(b, "--peer") == f"tcp://broker:{opt(a, '--peer-port')}"
+    urls = f"tcp://broker:{opt(a, '--port')},tcp://broker-b:{opt(b, '--port')}"
+    for name in ("shard-0", "shard-1", "shard-2", "worker-0", "worker-1"):
+        assert doc["services"][name]["environment"]["GRADBUS_CLIENT_BROKER"] == urls, name
+    ports = {p.split(":")[1] for p in doc["services"]["broker-b"]["ports"]}
+    assert ports == {opt(b, f) for f in ("--port", "--backend-port", "--events-port")}
+    assert check_env([(f"pair {n}", compose_env(s)) for n, s in doc["services"].items()
+                      if is_gradbus_service(s)]) == []
+
+
+@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="no docker-compose here")
+def test_docker_compose_1_validates_the_pair_override():
+    r = subprocess.run(["docker-compose", "-f", str(COMPOSE), "-f", str(PAIR_COMPOSE), "config",
+                        "-q"], check=False, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -15,7 +15,8 @@ from gradbus.codecs.errors import GradbusError
 
 broker_option = click.option(
     "--broker", "broker_url", default=net.default_broker, show_default="$GRADBUS_BROKER or "
-    + net.DEFAULT_BROKER, help="The broker's client URL.")
+    + net.DEFAULT_BROKER, help="The broker's client URL (a broker pair: both, "
+    "comma-separated).")
 
 
 replicas_option = click.option(

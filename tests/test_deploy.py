@@ -206,22 +206,32 @@ def check_env(envs: list[tuple[str, dict]]) -> list[str]:
 
 def check_curve(procs: list[Proc]) -> list[str]:
     """Every process has a whole key pair from a mounted secret; the broker's allow directory
-    holds each one's public key; each holds the broker's public key."""
+    holds each one's public key; each holds the broker's public key. The brokers of a pair
+    hold one key pair, and each admits every process."""
     out = []
     brokers = [p for p in procs if p.command == "broker"]
-    if len(brokers) != 1:
-        return [f"expected one broker command, got {len(brokers)}"]
-    b = brokers[0]
-    secret, _, allow = b.curve()
-    if not (secret and allow):
-        return [f"{b.where}: CURVE is not on (--curve-secret and --curve-allow)"]
-    b_secret = b.files.get(secret, "")
-    if not b_secret.endswith(".key_secret"):
-        return [f"{b.where}: {secret} is not a mounted NAME.key_secret"]
-    b_public = b_secret[:-len("_secret")]
+    if len(brokers) not in (1, 2):
+        return [f"expected one broker command, or a pair's two, got {len(brokers)}"]
+    keys = set()
+    for b in brokers:
+        secret, _, allow = b.curve()
+        if not (secret and allow):
+            return [f"{b.where}: CURVE is not on (--curve-secret and --curve-allow)"]
+        b_secret = b.files.get(secret, "")
+        if not b_secret.endswith(".key_secret"):
+            return [f"{b.where}: {secret} is not a mounted NAME.key_secret"]
+        keys.add(b_secret)
+        out += _check_admitted(procs, b, allow, b_secret[:-len("_secret")])
+    if len(keys) != 1:
+        out.append(f"the brokers of the pair hold different key pairs: {sorted(keys)}")
+    return out
+
+
+def _check_admitted(procs: list[Proc], b: Proc, allow: str, b_public: str) -> list[str]:
+    out = []
     allowed = {name for path, name in b.files.items() if posixpath.dirname(path) == allow}
     for p in procs:
-        if p is b or p.ctx is None:
+        if p.command == "broker" or p.ctx is None:
             continue
         secret, server, _ = p.curve()
         if not (secret and server):
@@ -231,7 +241,7 @@ def check_curve(procs: list[Proc]) -> list[str]:
         if not mine.endswith(".key_secret"):
             out.append(f"{p.where}: {secret} is not a mounted NAME.key_secret")
         elif mine[:-len("_secret")] not in allowed:
-            out.append(f"{p.where}: the public key of {mine} is not in the broker's allow "
+            out.append(f"{p.where}: the public key of {mine} is not in {b.service}'s allow "
                        f"directory {allow} ({sorted(allowed)})")
         if p.files.get(server) != b_public:
             out.append(f"{p.where}: server key {server} is {p.files.get(server)}, not the "
@@ -239,19 +249,24 @@ def check_curve(procs: list[Proc]) -> list[str]:
     return out
 
 
-def check_broker_urls(procs: list[Proc], broker_host: str, broker_port: int,
-                      broker_service: str) -> list[str]:
-    """Every process that connects (shards, workers, healthchecks) reaches the broker."""
+def check_broker_urls(procs: list[Proc], brokers: dict) -> list[str]:
+    """Every process that connects (shards, workers, healthchecks) reaches the broker, or
+    names both brokers of a pair; ``brokers``: each broker's service -> (host, client port).
+    A broker's own healthcheck may ask it alone, on its loopback."""
     out = []
+    want = set(brokers.values())
     for p in procs:
         url = p.params.get("broker_url")
         if p.ctx is None or p.command == "broker" or url is None:
             continue
-        host, port = net.split_url(url)
-        hosts = {broker_host} | (LOCAL if p.service == broker_service else set())
-        if host not in hosts or port != broker_port:
-            out.append(f"{p.where}: connects to {url}, the broker is "
-                       f"tcp://{broker_host}:{broker_port}")
+        got = {net.split_url(u) for u in net.broker_urls(url)}
+        own = brokers.get(p.service)
+        if own is not None and len(got) == 1 and next(iter(got)) in {
+                (h, own[1]) for h in LOCAL | {own[0]}}:
+            continue
+        if got != want:
+            out.append(f"{p.where}: connects to {url}, the brokers are "
+                       + ",".join(f"tcp://{h}:{port}" for h, port in sorted(want)))
     return out
 
 
@@ -270,15 +285,29 @@ def check_broker_binds(b: Proc) -> list[str]:
     return out
 
 
-def main_lines(procs: list[Proc], suffix: str) -> tuple[list[str], list[Proc], Proc | None]:
-    """Problems every cluster shares (lines that do not parse, metrics endpoints, the broker's
-    binds), the parsed main command lines (``where`` ends with ``suffix``) and the broker's."""
+def main_lines(procs: list[Proc], suffix: str, pair: bool = False
+               ) -> tuple[list[str], list[Proc], list[Proc]]:
+    """Problems every cluster shares (lines that do not parse, metrics endpoints, the brokers'
+    binds), the parsed main command lines (``where`` ends with ``suffix``) and the brokers'
+    (one; with ``pair``, two that name each other as peers); no brokers when those are not
+    there."""
     out = check_parsed(procs) + check_metrics_bind(procs)
     mains = [p for p in procs if p.where.endswith(suffix) and p.ctx]
     brokers = [p for p in mains if p.command == "broker"]
-    if len(brokers) != 1:
-        return out + [f"expected one broker, got {[p.service for p in brokers]}"], mains, None
-    return out + check_broker_binds(brokers[0]), mains, brokers[0]
+    if len(brokers) != (2 if pair else 1):
+        return out + [f"expected {'two brokers' if pair else 'one broker'}, got "
+                      f"{[p.service for p in brokers]}"], mains, []
+    for b in brokers:
+        out += check_broker_binds(b)
+    if pair:
+        for b, other in (brokers, brokers[::-1]):
+            want = f"tcp://{other.service}:{other.params['peer_port']}"
+            if b.params["peer"] != want or not other.params["peer_port"]:
+                out.append(f"{b.where}: --peer {b.params['peer']}, the other broker's pair "
+                           f"address is {want}")
+        if len({b.params["replicas"] for b in brokers}) != 1:
+            out.append("the brokers of the pair run with different --replicas")
+    return out, mains, brokers
 
 
 def check_shard_count(shards: int, b: Proc) -> list[str]:
@@ -527,11 +556,12 @@ def _published(spec) -> tuple[int, int]:
 def check_compose(doc: dict, procs: list[Proc], prom: dict) -> list[str]:
     """Ports, URLs, data volumes, replicas, workers and Prometheus targets of the compose
     cluster."""
-    out, cmds, b = main_lines(procs, " command")
-    if b is None:
+    out, cmds, brokers = main_lines(procs, " command")
+    if not brokers:
         return out
+    b = brokers[0]
     bp = b.params
-    out += check_broker_urls(procs, b.service, bp["port"], b.service)
+    out += check_broker_urls(procs, {b.service: (b.service, bp["port"])})
     # published ports keep their numbers: the broker tells clients its backend/events ports
     bound = {bp["port"], bp["backend_port"], bp["events_port"]}
     for spec in doc["services"][b.service].get("ports") or []:
@@ -794,13 +824,11 @@ def k8s_procs(objs: dict, tmp: pathlib.Path) -> tuple[list[Proc], list[tuple[str
     return procs, envs, out
 
 
-def check_k8s(objs: dict, procs: list[Proc]) -> list[str]:
-    out, args, b = main_lines(procs, " args")
-    if b is None:
-        return out
-    bp = b.params
-    # the broker's Service: its selector picks the broker's pod; each port has the number of
-    # the container port it targets, which the broker binds
+def _check_broker_service(objs: dict, b: Proc) -> tuple[list[str], tuple | None]:
+    """A broker's Service: its selector picks the broker's pod; each port has the number of
+    the container port it targets, which the broker binds. The problems, and the (Service
+    name, client port) the broker is reached at (None: no one Service)."""
+    out, bp = [], b.params
     deploy = objs[("Deployment", b.service)]
     labels = _pod(deploy)["metadata"]["labels"]
     container = next(c for c in _pod(deploy)["spec"]["containers"]
@@ -809,10 +837,12 @@ def check_k8s(objs: dict, procs: list[Proc]) -> list[str]:
               for p in container.get("ports", [])}
     binds = {"client": bp["port"], "backend": bp["backend_port"], "events": bp["events_port"],
              "metrics": bp["metrics_port"]}
+    if bp.get("peer_port"):
+        binds["pair"] = bp["peer_port"]
     services = [o for (k, _), o in objs.items() if k == "Service"
                 and o["spec"].get("selector", {}).items() <= labels.items()]
     if len(services) != 1:
-        return out + [f"{len(services)} Services select the broker's pod"]
+        return [f"{len(services)} Services select the pod of {b.service}"], None
     svc = services[0]
     sports = {}
     for sp in svc["spec"]["ports"]:
@@ -823,7 +853,22 @@ def check_k8s(objs: dict, procs: list[Proc]) -> list[str]:
                        f"-> {sp.get('targetPort')} ({target}): the broker binds {binds}")
     if set(sports) != set(binds) or set(cports.values()) != set(binds.values()):
         out.append(f"Service ports {sports} / container ports {cports}: want {binds}")
-    out += check_broker_urls(procs, svc["metadata"]["name"], sports.get("client"), b.service)
+    return out, (svc["metadata"]["name"], sports.get("client"))
+
+
+def check_k8s(objs: dict, procs: list[Proc]) -> list[str]:
+    out, args, brokers = main_lines(procs, " args", pair=True)
+    if not brokers:
+        return out
+    b = brokers[0]
+    reach = {}
+    for broker in brokers:
+        problems, reached = _check_broker_service(objs, broker)
+        out += problems
+        if reached is None:
+            return out
+        reach[broker.service] = reached
+    out += check_broker_urls(procs, reach)
     # Prometheus annotations on each pod that serves metrics
     for p in args:
         port = p.params.get("metrics_port")
@@ -1221,7 +1266,7 @@ def test_k8s_runs_valid_gradbus_command_lines(k8s):
     assert problems == []
     assert check_parsed(procs) == []
     assert sorted(p.command for p in procs if p.where.endswith(" args")) == [
-        "broker", "shard", "worker"]
+        "broker", "broker", "shard", "worker"]
     assert {p.command for p in procs if "Probe" in p.where} == {"status"}
     assert check_env(envs) == []
 
@@ -1233,7 +1278,7 @@ def test_k8s_ports_services_annotations_and_storage(k8s):
 
 @pytest.mark.parametrize("breakage", ["service port", "target port", "annotation", "claim",
                                       "job completions", "root", "secret key", "shard url",
-                                      "undefined variable"])
+                                      "undefined variable", "peer", "one broker named"])
 def test_k8s_checks_catch_mismatches(k8s, tmp_path, breakage):
     objs = copy.deepcopy(k8s[0])
     broker = _pod(objs[("Deployment", "broker")])
@@ -1255,6 +1300,13 @@ def test_k8s_checks_catch_mismatches(k8s, tmp_path, breakage):
     elif breakage == "shard url":
         env = _pod(shard)["spec"]["containers"][0]["env"]
         next(e for e in env if e["name"] == "GRADBUS_CLIENT_BROKER")["value"] = "tcp://x:5555"
+    elif breakage == "peer":
+        args = broker["spec"]["containers"][0]["args"]
+        args[args.index("--peer") + 1] = "tcp://broker-b:5559"
+    elif breakage == "one broker named":
+        env = _pod(shard)["spec"]["containers"][0]["env"]
+        next(e for e in env if e["name"] == "GRADBUS_CLIENT_BROKER")["value"] = \
+            "tcp://broker:5555"
     else:
         env = _pod(shard)["spec"]["containers"][0]["env"]
         next(e for e in env if e["name"] == "POD_NAME")["name"] = "NAME"

@@ -109,6 +109,8 @@ def send_before(sock: zmq.Socket, msg, deadline: float,
         ready = dict(poller.poll(max(1, int(left * 1000))))
         if watch is not None and watch.mon in ready:
             watch.check()
+            if watch.refused:
+                return False      # nothing listens there (a watch that counts refusals)
 
 
 #: Seconds a wait that can be given up (``stop``) runs before it looks at its stop event again.
@@ -129,6 +131,8 @@ def _ask(s: zmq.Socket, watch: security.HandshakeWatch, msg, end: float, stop=No
         step = end if stop is None else min(end, time.monotonic() + STOP_STEP)
         if not sent:
             sent = send_before(s, msg, step, watch)
+            if watch.refused:
+                return None
         elif watch.poll(int(max(0.0, step - time.monotonic()) * 1000)):
             return s.recv()
         if time.monotonic() >= end:
@@ -151,11 +155,14 @@ def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: floa
               configure=None, curve: security.Curve | None = None, stop=None) -> tuple:
     """:func:`hello` on a list of brokers (a pair), from ``urls[first]`` on, in turn: the
     index of the one that answered and its WELCOME. A standby's ``NOT_ACTIVE`` sends it on
-    to the next; so does an attempt that got no answer (the back-off grows once per round)."""
+    to the next; so does an attempt that got no answer (the back-off grows once per round),
+    and, of several, one whose connection was refused, at once (a broker of a pair that is
+    down); a round that ended sooner than its back-off waits out the rest."""
     deadline = time.monotonic() + timeout
     wait = timing.RECONNECT_MIN
     failures = 0   # failed security handshakes, over every attempt
     i = first % len(urls)
+    round_start = time.monotonic()
     while True:
         broker_url = urls[i]
         s = ctx.socket(zmq.DEALER)
@@ -164,7 +171,8 @@ def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: floa
             security.client_setup(s, curve)
         if configure:
             configure(s)
-        watch = security.HandshakeWatch(s, curve, broker_url, failures)
+        watch = security.HandshakeWatch(s, curve, broker_url, failures,
+                                        refusals=len(urls) > 1)
         try:
             s.connect(broker_url)
             attempt_end = time.monotonic() + max(0.0, min(wait, deadline - time.monotonic()))
@@ -183,4 +191,8 @@ def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: floa
             raise GradbusError(f"no broker answered at {','.join(urls)} within {timeout:.1f}s")
         i = (i + 1) % len(urls)
         if i == first % len(urls):
+            rest = min(wait - (time.monotonic() - round_start), deadline - time.monotonic())
+            if rest > 0 and (stop.wait(rest) if stop is not None else time.sleep(rest)):
+                raise Stopped("stopped while waiting for the broker")
             wait = min(wait * 2, timing.RECONNECT_MAX)
+            round_start = time.monotonic()

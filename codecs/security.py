@@ -290,21 +290,26 @@ class HandshakeWatch:
     mid-handshake also causes: those fail after ``limit`` of them (None: never)."""
 
     def __init__(self, sock: zmq.Socket, curve: Curve | None, url: str, failures: int = 0,
-                 limit: int | None = 3, closing: bool = False):
+                 limit: int | None = 3, closing: bool = False, refusals: bool = False):
         """``closing``: also count the connection's closings (:attr:`closed`), for a socket
-        that can have no other monitor."""
+        that can have no other monitor; ``refusals``: its refused connection attempts
+        (:attr:`refused`: nothing listens there)."""
         self.sock, self.curve, self.url, self.limit = sock, curve, url, limit
-        self.mon = sock.get_monitor_socket(_FAILED | (zmq.EVENT_DISCONNECTED if closing
-                                                      else 0))
+        self.mon = sock.get_monitor_socket(_FAILED
+                                           | (zmq.EVENT_DISCONNECTED if closing else 0)
+                                           | (zmq.EVENT_CONNECT_RETRIED if refusals else 0))
         self.mon.linger = 0
         self.failures = failures   # failed handshakes so far (carried over from earlier sockets)
-        self.closed = 0
+        self.closed = self.refused = 0
 
     def check(self) -> None:
         """Raise :class:`SecurityError` if the handshakes so far say the broker refuses us."""
         for event, value in _events(self.mon):
             if event == zmq.EVENT_DISCONNECTED:
                 self.closed += 1
+                continue
+            if event == zmq.EVENT_CONNECT_RETRIED:
+                self.refused += 1
                 continue
             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 raise SecurityError(

@@ -115,6 +115,9 @@ def send_before(sock: zmq.Socket, msg, deadline: float,
 
 #: Seconds a wait that can be given up (``stop``) runs before it looks at its stop event again.
 STOP_STEP = 0.1
+#: A broker pair's first HELLO round and back-off (doubling to RECONNECT_MAX): each attempt
+#: costs a round trip to a live broker or a refused connection to a dead one.
+PAIR_RETRY_MIN = 0.025
 
 
 class Stopped(GradbusError):
@@ -157,9 +160,11 @@ def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: floa
     index of the one that answered and its WELCOME. A standby's ``NOT_ACTIVE`` sends it on
     to the next; so does an attempt that got no answer (the back-off grows once per round),
     and, of several, one whose connection was refused, at once (a broker of a pair that is
-    down); a round that ended sooner than its back-off waits out the rest."""
+    down); a round that ended sooner than its back-off waits out the rest. Of a pair, the
+    back-off starts at :data:`PAIR_RETRY_MIN`: a standby that said ``NOT_ACTIVE`` may be
+    taking over right now."""
     deadline = time.monotonic() + timeout
-    wait = timing.RECONNECT_MIN
+    wait = timing.RECONNECT_MIN if len(urls) == 1 else PAIR_RETRY_MIN
     failures = 0   # failed security handshakes, over every attempt
     i = first % len(urls)
     round_start = time.monotonic()

@@ -114,7 +114,8 @@ if [[ $pair == 1 ]]; then
   # 3b. the active broker SIGKILLed once the workers' pushes are being applied
   asked=broker-b
   while :; do
-    active=$(dc exec -T broker-b sh -c 'gradbus status --json --timeout 5 2>/dev/null | python -c "
+    active=$(dc exec -T broker-b sh -c 'GRADBUS_CLIENT_BROKER=tcp://broker:5555,tcp://broker-b:5565 \
+      gradbus status --json --timeout 5 2>/dev/null | python -c "
 import json, sys
 st = json.load(sys.stdin)
 act = [b[\"url\"] for b in st.get(\"brokers\", []) if b[\"role\"] == \"active\"]
@@ -123,7 +124,7 @@ print((\"broker-b\" if act[0].endswith(\":5565\") else \"broker\") if len(act) =
 "' 2>/dev/null || true)
     [[ -n $active ]] && break
     ((SECONDS < deadline)) || fail "no active broker applying pushes within $timeout_s s"
-    sleep 2
+    sleep 0.5
   done
   pid=$(docker inspect -f '{{.State.Pid}}' "$(cid "$active")")
   say "SIGKILL of the active broker, $active (pid $pid on the host)"

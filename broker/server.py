@@ -124,6 +124,7 @@ class BrokerServer:
                                      heartbeat_interval=s.heartbeat_interval,
                                      liveness=s.liveness)
             self.pair.run = self.core.run
+            self.pair.deposed = None      # a deposed broker's pair state: standby from now on
             try:
                 self.pair_link = PairLink(self.ctx, host, peer_port, peer, curve, self.auth)
             except BaseException:

@@ -153,4 +153,13 @@ def test_a_lone_standby_answers_not_active_then_a_shard_makes_it_active(lone_pai
         s.send(wire.error(Code.FENCED, "seen newer", bepoch=9))
         wait_for(lambda: srv.deposed is not None, 10, "the broker deposed")
     assert srv.deposed.epoch == 9 and not srv.pair.active
+    # started again on its pair state (as `gradbus broker` does): a standby, not deposed again
+    from gradbus.broker.server import BrokerServer
+    again = BrokerServer("127.0.0.1", 0, shm=False, peer=srv.pair_link.peer, peer_port=0,
+                         pair=srv.pair)
+    try:
+        again._pair_tick(again.clock())
+        assert again.deposed is None and again.pair.epoch == 9 and not again.pair.active
+    finally:
+        again.close()
 

@@ -168,6 +168,7 @@ def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: floa
     failures = 0   # failed security handshakes, over every attempt
     i = first % len(urls)
     round_start = time.monotonic()
+    standby: set = set()       # the URLs whose broker said it is a standby
     while True:
         broker_url = urls[i]
         s = ctx.socket(zmq.DEALER)
@@ -188,11 +189,17 @@ def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: floa
                     return i, h
                 if h["code"] != Code.NOT_ACTIVE.value or len(urls) == 1:
                     raise GradbusError(h["message"], h["code"])
+                standby.add(broker_url)
         finally:
             failures = watch.failures
             watch.close()
             s.close()
         if time.monotonic() >= deadline:
+            if standby:
+                raise GradbusError(
+                    f"no active broker at {','.join(urls)} within {timeout:.1f}s: "
+                    f"{', '.join(sorted(standby))} answered as the standby (a pair serves once "
+                    f"a shard has registered with one of them)", Code.NOT_ACTIVE)
             raise GradbusError(f"no broker answered at {','.join(urls)} within {timeout:.1f}s")
         i = (i + 1) % len(urls)
         if i == first % len(urls):

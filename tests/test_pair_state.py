@@ -141,6 +141,12 @@ def test_a_lone_standby_answers_not_active_then_a_shard_makes_it_active(lone_pai
     with pytest.raises(GradbusError) as e:
         gradbus.connect(srv.url, timeout=5)
     assert e.value.code == Code.NOT_ACTIVE
+    # named with another broker that does not answer: the error says which was the standby
+    from gradbus.cluster import free_ports
+    dead = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    with pytest.raises(GradbusError, match="answered as the standby") as e:
+        gradbus.connect(f"{dead},{srv.url}", timeout=1)
+    assert e.value.code == Code.NOT_ACTIVE and srv.url in str(e.value)
     with backend_peer(srv.url, routing_id=b"S1") as s:
         s.send(wire.pack(wire.HEARTBEAT))         # not a REGISTER: refused, nothing changes
         assert s.poll(10_000) and unpack(s.recv())["code"] == Code.NOT_ACTIVE.value

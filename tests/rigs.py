@@ -34,7 +34,8 @@ from gradbus.codecs import jit, net, security, shm, specs, wire
 from gradbus.codecs.partition import TensorLayout
 from gradbus.shards import backend, checkpoint
 from gradbus.shards.core import ShardCore
-from gradbus.workers.agent_state import AgentState, Send
+from gradbus.workers.actions import Send
+from gradbus.workers.agent_state import AgentState
 from gradbus.workers.cache import WeightCache
 from gradbus.workers.commands import SendMessage
 from gradbus.workers.credit import CreditWindow

@@ -11,7 +11,7 @@ import zmq
 import gradbus
 from gradbus.codecs import timing, wire
 from gradbus.codecs.errors import Code, GradbusError
-from gradbus.workers.agent_state import Send, Subscribe
+from gradbus.workers.actions import Send, Subscribe
 from gradbus.workers.commands import ReadRows, Request, SendMessage, Stop, Track
 from gradbus.workers.resend import ResendTimer
 

@@ -568,7 +568,7 @@ def test_a_pull_waiting_on_a_live_partition_follows_it_only_while_it_waits(make_
             gradbus.connect(cluster.url, block_bytes=4096) as b:
         a.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
         b.pull(["w"])
-        assert all(p.live for p in b.cache.parts.values()) and not b.state.followed
+        assert all(p.live for p in b.cache.parts.values()) and not b.state.follows.followed
         got = {}
         t = threading.Thread(target=lambda: got.update(b.pull(["w"], min_version=n,
                                                               timeout=60)))
@@ -577,7 +577,7 @@ def test_a_pull_waiting_on_a_live_partition_follows_it_only_while_it_waits(make_
         t.join(60)
         assert np.array_equal(got["w"], w0 - n * LR * G)
         assert b.stats["live_wakeups"] > 0 and b.stats["updates_received"] == 0
-        wait_for(lambda: not b.state.followed and not b.state.watched, 10,
+        wait_for(lambda: not b.state.follows.followed and not b.state.follows.watched, 10,
                  "the reader to stop following")
     cluster.stop()
     assert gradbus_segments(shm_dir) == []

@@ -16,11 +16,10 @@ waiter (:meth:`ReadState.reask`): a reader never sees bytes other than the reply
 
 A client that reads weights as frames (no shared memory: another host, or shared memory off)
 follows its partitions by conflated delivery (protocol section 22) over its DEALER, not the
-events socket: it sends FOLLOW before it snapshots them, and a CREDIT when its application
-reads them (:class:`~.commands.Read`), except for a read of partitions it pushed to since its
-last read of them (its own push's weights answer that read); the broker sends each credited
-partition the newest UPDATE, and skips the versions nobody read. A credit still unanswered
-while two heartbeats name a newer seq is granted again (``again``): what answered it was lost.
+events socket: the broker sends each partition the UPDATE that applied the client's own push,
+and the newest one when the client's application read it (a CREDIT); the versions nobody read
+are skipped. What is followed, and the credits, are its part :class:`~.follow_state.FollowState`
+(``follows``).
 
 Broker silence is judged with the broker's own heartbeat interval, as WELCOME names it (``hb``;
 the default interval for a broker that does not say): silent after ``LIVENESS`` intervals
@@ -47,7 +46,7 @@ from gradbus.codecs import hops, messages, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError, error_from
 
-from .actions import Reconnect, Send, Subscribe, Unsubscribe
+from .actions import Reconnect, Send
 from .cache import LiveBlock
 from .commands import (
     Forward,
@@ -60,6 +59,7 @@ from .commands import (
     Track,
     Watch,
 )
+from .follow_state import FollowState
 from .reads_state import ReadState
 from .resend import ResendTimer
 
@@ -107,16 +107,8 @@ class AgentState:
         self.free_later: set[int] = set()           # pushes FREEd before their final answer
         self.out: list = []
         self.shm = shm                              # a ClientShm, or None: frames only
-        self.topic = wire.topic_partition_shm if shm is not None else wire.topic_partition
-        self.followed: set[int] = set()             # partitions whose updates we subscribe to
-        # conflated delivery (frames clients): credits granted and not yet answered (p -> the
-        # seq held then), partitions pushed to since their last read, credited partitions a
-        # heartbeat named a newer seq of once
-        self.conflated = cache.conflated         # as the cache was made: no shared memory
-        self.credits: dict[int, int] = {}
-        self.pushed: set[int] = set()
-        self.behind: set[int] = set()
-        self.watched: dict[int, int] = {}           # live partition -> pulls waiting on it
+        self.follows = FollowState(self)            # updates followed, conflated credits
+        self.conflated = self.follows.conflated
         self._hb = wire.pack(wire.HEARTBEAT, **({"shm": True} if shm is not None else {}))
         if shm is not None:     # the broker learns at once that replies may reference shards'
             self.last_hb = now - self.hb_every      # shared memory (the first tick says so)
@@ -134,8 +126,7 @@ class AgentState:
                 hops.stamp("agent_send", cmd.msg)
             if cmd.future is not None:
                 self.msg_futures[cmd.msg] = cmd.future
-            if cmd.parts and self.conflated:
-                self.pushed.update(cmd.parts)
+            self.follows.pushed_to(cmd.parts)
             if self.resend is not None:
                 self.resend.sent(cmd.msg, cmd.frames, self.clock())
             if not cmd.sent:
@@ -156,13 +147,7 @@ class AgentState:
                 new_parts, ks = self.cache.track(layout)
                 new += new_parts
                 keys += ks
-            if self.conflated:      # followed first, then snapshot (the Clone pattern)
-                if new:
-                    self.followed.update(new)
-                    self.out.append(Send([wire.pack(wire.FOLLOW, ps=new)]))
-            else:
-                for p in new:
-                    self._follow(p, True)
+            self.follows.track(new)
             if keys:
                 self._snapshot(keys, cmd.future)
             else:
@@ -173,88 +158,16 @@ class AgentState:
             for p in parts:
                 self._resnapshot(p)
         elif t is Watch:
-            for p in cmd.parts:
-                n = self.watched.get(p, 0) + (1 if cmd.on else -1)
-                if n > 0:
-                    self.watched[p] = n
-                else:
-                    self.watched.pop(p, None)
-                part = self.cache.parts.get(p)
-                self._follow(p, n > 0 or part is None or not part.live)
+            self.follows.watch(cmd.parts, cmd.on)
             if cmd.on:      # a change that came before the subscription took hold is seen
                 with self.cond:
                     self.cond.notify_all()
         elif t is Read:
-            self._read(cmd.parts, cmd.seqs, cmd.waiting)
+            self.follows.read(cmd.parts, cmd.seqs, cmd.waiting)
         elif t is Stop:
             self.stopped = True
         else:
             raise TypeError(f"not a command: {cmd!r}")
-
-    def _follow(self, p: int, on: bool) -> None:
-        """Subscribe to partition ``p``'s updates, or not (live partitions are read from the
-        board and followed only while a pull waits on them)."""
-        if on and p not in self.followed:
-            self.followed.add(p)
-            self.out.append(Subscribe(self.topic(p)))
-        elif not on and p in self.followed:
-            self.followed.discard(p)
-            self.out.append(Unsubscribe(self.topic(p)))
-
-    def _read(self, parts, seen, waiting: bool) -> None:
-        """The application read (``waiting``: waits for newer) weights of ``parts`` at seqs
-        ``seen``: a credit for each followed one that has none unanswered and received
-        nothing since (what came is unread yet, or wakes the waiter), unless it read a
-        partition it pushed to since its last read of it (the push's own weights answered
-        that read)."""
-        if not self.conflated:
-            return
-        ps, seqs = [], []
-        for p, at in zip(parts, seen):
-            if p not in self.followed:
-                continue
-            if not waiting and p in self.pushed:
-                self.pushed.discard(p)
-                continue
-            part = self.cache.parts.get(p)
-            if p in self.credits or part is None or part.resync or part.last_seq != at:
-                continue         # an answer (or the snapshot) is on its way, or came
-            self.credits[p] = part.last_seq
-            ps.append(p)
-            seqs.append(part.last_seq)
-        if ps:
-            self.stats["credits"] += len(ps)
-            self.out.append(Send([wire.pack(wire.CREDIT, ps=ps, seqs=seqs)]))
-
-    def _unanswered(self, ps, seqs) -> None:
-        """An events heartbeat's last published seqs: a credit unanswered though a newer seq
-        was published, at two heartbeats in a row, lost its answer: granted again."""
-        again, have = [], []
-        for p, seq in zip(ps, seqs):
-            held = self.credits.get(p)
-            if held is None or seq <= held:
-                continue
-            if p not in self.behind:
-                self.behind.add(p)
-                continue
-            self.behind.discard(p)
-            part = self.cache.parts.get(p)
-            if part is None or part.resync:
-                del self.credits[p]       # the snapshot on its way answers it
-                continue
-            self.credits[p] = part.last_seq
-            again.append(p)
-            have.append(part.last_seq)
-        if again:
-            self.stats["credits_again"] += len(again)
-            self.out.append(Send([wire.pack(wire.CREDIT, ps=again, seqs=have, again=True)]))
-
-    def went_live(self) -> None:
-        """Partitions a snapshot made live: their updates are no longer followed."""
-        for p in self.cache.newly_live:
-            if p not in self.watched:
-                self._follow(p, False)
-        self.cache.newly_live.clear()
 
     # -- a broker pair -----------------------------------------------------------------------
     def leave(self, why: str) -> None:
@@ -519,8 +432,7 @@ class AgentState:
                 behind = self.cache.on_heartbeat(h.ps, h.seqs)
             for p in behind:
                 self._resnapshot(p)
-            if self.credits:
-                self._unanswered(h.ps, h.seqs)
+            self.follows.heartbeat(h.ps, h.seqs)
 
     def _run(self, run: int | None) -> None:
         """The run id an event named (None: none)."""
@@ -533,11 +445,7 @@ class AgentState:
         """Another broker process answers now: what the one before held is gone. Send every
         unsettled push and init, every unanswered request, and every read in flight again."""
         self.stats["broker_restarts"] += 1
-        if self.conflated and self.followed:     # followed again first, then snapshot
-            self.credits.clear()
-            self.behind.clear()
-            self.pushed.clear()
-            self.out.append(Send([wire.pack(wire.FOLLOW, ps=sorted(self.followed))]))
+        self.follows.broker_restarted()          # followed again first, then snapshot
         n = 0
         if self.resend is not None:
             for frames in self.resend.all_now(self.clock()):
@@ -559,9 +467,7 @@ class AgentState:
     def _on_update(self, h, tensors) -> None:
         """An UPDATE (``tensors``: its tensor frames), from the events socket or, by conflated
         delivery, the DEALER."""
-        if self.conflated:       # whatever came for p answers its credit
-            self.credits.pop(h.p, None)
-            self.behind.discard(h.p)
+        self.follows.updated(h.p)
         part = self.cache.parts.get(h.p)
         if part is None:
             return

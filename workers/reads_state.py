@@ -142,7 +142,7 @@ class ReadState:
             self.a.cond.notify_all()
         for p in again:
             self.snapshot(self.a.cache.resync_keys(p), None)
-        self.a.went_live()
+        self.a.follows.went_live()
         fut = self.a.req_futures.pop(req, None)
         if fut is not None and not fut.done():
             if missing:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import math
 
-import ml_dtypes
 import numpy as np
 
 from . import jit
@@ -16,7 +15,6 @@ from . import jit
 INT8_BLOCK = 256      # values per float32 scale for int8
 SIGN_BLOCK = 1024     # values per float32 scale for sign
 _CHUNK = 1 << 16      # elements per cache-sized chunk in the fp16/bf16/int8 loops
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 # ------------------------------------------------------------------ fp16 / bf16
@@ -112,7 +110,16 @@ def _bf16_encode(a: np.ndarray) -> np.ndarray:
     return _half_encode(a, "bf16", _bf16_encode_numpy)
 
 
+@functools.cache
+def _bf16_dtype() -> np.dtype:
+    """ml_dtypes' bfloat16, imported at the first use: its import takes most of a second,
+    which every broker, shard and client process would pay at start."""
+    import ml_dtypes
+    return np.dtype(ml_dtypes.bfloat16)
+
+
 def _bf16_encode_numpy(a: np.ndarray) -> np.ndarray:
+    bf16 = _bf16_dtype()
     flat = a.reshape(-1)
     out = np.empty(len(flat), np.uint16)
     # ml_dtypes' cast: bit for bit the (u + 0x7FFF + lsb) >> 16 rule, several times faster than
@@ -120,7 +127,7 @@ def _bf16_encode_numpy(a: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore", invalid="ignore"):
         for i in range(0, len(flat), _CHUNK):
             x, o = flat[i:i + _CHUNK], out[i:i + _CHUNK]
-            np.copyto(o.view(_BF16), x, casting="unsafe")
+            np.copyto(o.view(bf16), x, casting="unsafe")
             if not math.isfinite(np.add.reduce(x, axis=None)):      # NaN, inf, or a large sum
                 nan = np.isnan(x)
                 if nan.any():

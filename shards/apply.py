@@ -69,11 +69,22 @@ def _ident(ent: PushEntry, desc) -> tuple | None:
     return None if ent.m is None else (ent.c, ent.m, desc.key)
 
 
+_BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
+
+
 def _all_finite(vals) -> bool:
-    """No NaN or Inf in ``vals`` (numpy or CuPy): one reduction first (a sum is finite when
-    every value is), the exact check only when the sum is not."""
+    """No NaN or Inf in ``vals`` (numpy or CuPy): one reduction first, the exact check only
+    when its result is not finite (an overflow, or a value that is not). The reduction is the
+    sum of squares where BLAS computes it (contiguous float32/64 on the host: a third of the
+    time of a sum here), finite only when every value is (no square is negative, so no
+    inf - inf hides one); else the sum, finite likewise."""
     xp = device.array_module(vals)
-    return math.isfinite(xp.add.reduce(vals, axis=None)) or bool(xp.isfinite(vals).all())
+    if xp is np and vals.dtype in _BLAS_FLOATS and vals.flags.c_contiguous:
+        first = np.vdot(vals, vals)
+    else:
+        with np.errstate(over="ignore", invalid="ignore"):   # an overflow says "look closer"
+            first = xp.add.reduce(vals, axis=None)
+    return math.isfinite(first) or bool(xp.isfinite(vals).all())
 
 
 def _weight(ent: PushEntry, dtype) -> np.ndarray | None:

@@ -571,3 +571,30 @@ def test_a_backend_that_sums_in_its_step_gets_the_batch_as_a_list():
         np.testing.assert_allclose(results[1], results[0], rtol=1e-6, atol=1e-6)
         want = count if count <= bk.SUM_GROUP and not sparse else None
         assert SumsInStep.got.pop() == want
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+@pytest.mark.parametrize("layout", ["flat", "rows", "strided"])
+def test_the_finiteness_check_finds_every_non_finite_value_and_no_false_one(dtype, layout):
+    from gradbus.shards.apply import _all_finite
+    rng = np.random.default_rng(3)
+
+    def shaped(a):
+        if layout == "rows":
+            return a.reshape(64, -1)
+        if layout == "strided":
+            return a[::2]
+        return a
+    base = rng.normal(size=4096).astype(dtype)
+    assert _all_finite(shaped(base))
+    big = base.copy()
+    big[::7] = np.finfo(dtype).max / 2      # squares and sums overflow; every value is finite
+    assert _all_finite(shaped(big))
+    for bad in (np.nan, np.inf, -np.inf):
+        for at in (0, 2048, 4094):
+            v = base.copy()
+            v[at] = bad
+            assert not _all_finite(shaped(v)), (bad, at)
+    both = base.copy()
+    both[10], both[20] = np.inf, -np.inf          # a sum would be nan: still refused
+    assert not _all_finite(shaped(both))

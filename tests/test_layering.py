@@ -97,3 +97,18 @@ def test_setup_cfg_lists_every_package():
             rel = init.parent.relative_to(ROOT / folder)
             found.add(".".join([package, *rel.parts]))
     assert found == listed
+
+
+def test_a_process_start_imports_no_heavy_optional_module():
+    """What every broker, shard and client process imports at start leaves out the modules
+    that cost most of a second to import and are needed only on some paths (ml_dtypes for the
+    numpy bf16 cast, numba for the fast loops, torch, cupy): a 2-shard cluster started in 4.7 s
+    with ml_dtypes imported at start, 1.9 s without."""
+    import subprocess
+    code = ("import sys, gradbus, gradbus.cli, gradbus.broker.server, gradbus.shards.server, "
+            "gradbus.workers.client\n"
+            "print(' '.join(m for m in ('ml_dtypes', 'numba', 'torch', 'cupy') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == ""

@@ -44,7 +44,8 @@ round) and a line gives medians and each round's ``rates``.
 with ``$GRADBUS_HOPS`` set (gradbus/codecs/hops.py): every process stamps each push at every
 hop of its round trip with the host's monotonic clock, and one JSON line per pair of
 consecutive hops gives the median and p90 microseconds between them, over the pushes of the
-window.
+window. Its last line also gives the CPU microseconds per update of each kind of process
+(``cpu_us_per_update_by_role``: broker, shard, worker, launcher), stamping included.
 
 Usage: python bench/peers.py [--sizes 64K,4M,16M] [--depth 1,4,32] [--seconds 4] [--warmup 1.5]
                              [--configs rpc,rpc_tcp,gradbus_shm,gradbus_worker_noshm,floor_shm]
@@ -110,6 +111,28 @@ def cpu_seconds() -> dict[int, float]:
 def cpu_between(first: dict, last: dict) -> float:
     """CPU seconds spent between two cpu_seconds() samples by the processes of the last one."""
     return sum(t - first.get(pid, 0.0) for pid, t in last.items())
+
+
+def role_of(pid: int) -> str:
+    """What process ``pid`` is, from its command line: broker, shard, worker (a spawned
+    benchmark worker), launcher (``gradbus up``) or other."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+    except OSError:
+        return "other"
+    for role in (b"broker", b"shard", b"up"):
+        if b"gradbus" in argv and role in argv:
+            return "launcher" if role == b"up" else role.decode()
+    return "worker" if any(b"spawn_main" in a for a in argv) else "other"
+
+
+def cpu_by_role(first: dict, last: dict, roles: dict) -> dict:
+    """CPU seconds between two cpu_seconds() samples, summed per role (:func:`role_of`)."""
+    out: dict = collections.defaultdict(float)
+    for pid, t in last.items():
+        out[roles.get(pid, "other")] += t - first.get(pid, 0.0)
+    return dict(out)
 
 
 @contextlib.contextmanager
@@ -293,12 +316,15 @@ def measure(config: str, run: dict) -> dict:
     ctx = mp.get_context("spawn")
     counters, stop = ctx.RawArray("q", run["workers"]), ctx.RawValue("b", 0)
     lat = [Samples(ctx) for _ in range(run["workers"])]
-    marks = {}
+    marks: dict = {"roles": {}}
 
     def sample():
         marks.setdefault("t0", time.monotonic())
         marks["t1"] = time.monotonic()
-        return cpu_seconds()
+        now = cpu_seconds()
+        for pid in now.keys() - marks["roles"].keys():
+            marks["roles"][pid] = role_of(pid)
+        return now
 
     with start(config, run, counters, stop, lat) as alive:
         win = count_window(counters, alive, run["warmup"], run["seconds"], sample=sample,
@@ -313,7 +339,11 @@ def measure(config: str, run: dict) -> dict:
             "ack_p50_ms": _ms(acks, 50), "ack_p99_ms": _ms(acks, 99),
             "fresh_p50_ms": _ms(fresh, 50), "fresh_p99_ms": _ms(fresh, 99),
             "cpu_s_per_update": cpu_between(win["first"], win["last"]) / updates
-            if updates else None}
+            if updates else None,
+            "cpu_us_per_update_by_role": {
+                k: round(v / updates * 1e6, 1)
+                for k, v in sorted(cpu_by_role(win["first"], win["last"], marks["roles"]).items())
+            } if updates else None}
 
 
 # ----------------------------------------------------------------------------- output
@@ -448,7 +478,9 @@ def _hops(a, size: str) -> int:
                           "cpus": os.cpu_count()}), flush=True)
     print(json.dumps({"bench": "peers_hops", "size": size, "updates_per_s":
                       round(res["updates_per_s"], 1), "fresh_p50_ms": res["fresh_p50_ms"],
-                      "cpu_s_per_update": _sig(res["cpu_s_per_update"])}), flush=True)
+                      "cpu_s_per_update": _sig(res["cpu_s_per_update"]),
+                      "cpu_us_per_update_by_role": res["cpu_us_per_update_by_role"]}),
+          flush=True)
     return 0 if gaps else 1
 
 

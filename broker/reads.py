@@ -59,14 +59,16 @@ class Reads:
         req = h.req
         shm = self._wants_shm(client, h)
         by_shard: dict[str, list] = defaultdict(list)
-        max_bytes = self.settings.max_batch_bytes
+        max_bytes, max_keys = self.settings.max_batch_bytes, self.settings.max_batch_entries
         for key in h.keys:
             t, idx = self.catalog.block(key)
             sid = self.table.live_owner(key, partition_of(key, self.P))
-            # one reply carries at most max_batch_bytes: a shard's heartbeats wait behind it
+            # one reply carries at most max_batch_bytes and max_batch_entries blocks: a
+            # shard's heartbeats wait behind it
             chunks = by_shard[sid]
             size = t.layout.block_bytes(idx)
-            if not chunks or (chunks[-1][1] and chunks[-1][1] + size > max_bytes):
+            if not chunks or (chunks[-1][1] and chunks[-1][1] + size > max_bytes) \
+                    or len(chunks[-1][0]) >= max_keys:
                 chunks.append([[], 0])
             chunks[-1][0].append(key)
             chunks[-1][1] += size

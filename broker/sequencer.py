@@ -170,24 +170,26 @@ class Sequencer:
             if p not in replaying:
                 groups[self.table.group(p)].append(p)
         max_bytes = self.settings.max_batch_bytes
+        max_entries = self.settings.max_batch_entries
         epochs = self.table.epochs
         for group, parts in groups.items():
             if not self.can_send(group):
                 continue
             primary, standbys, _ = group
             header_parts, t_list, frames, nbytes, any_refs = [], [], [], 0, False
-            batches = []
+            batches, count = [], 0
             for p in parts:
-                if nbytes >= max_bytes:
+                if nbytes >= max_bytes or count >= max_entries:
                     break
                 entries = self.pending_entries[p]
                 take = 0
                 for _entry, _raw, fr, _ref in entries:
                     size = wire.frame_len(fr) if fr is not None else 0
-                    if take and nbytes + size > max_bytes:
+                    if take and (nbytes + size > max_bytes or count + take >= max_entries):
                         break
                     nbytes += size
                     take += 1
+                count += take
                 batch, rest = entries[:take], entries[take:]
                 if rest:
                     self.pending_entries[p] = rest

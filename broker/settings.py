@@ -12,6 +12,10 @@ SHARD_CREDIT = 2                 # batches in flight to one shard before the bro
                                  # one being applied while the next arrives (more only shrinks
                                  # batches and multiplies weight republishes; see docs)
 MAX_BATCH_BYTES = 64 << 20       # one batch message to a shard carries at most this much tensor data
+MAX_BATCH_ENTRIES = 1024         # ... and at most this many entries (pushes' and inits' blocks):
+                                 # a shard applies a message whole before it heartbeats again,
+                                 # and 5,000 small inits in one took it past its liveness on a
+                                 # busy host
 MAX_PENDING_BYTES = 512 << 20    # above this the loop stops reading the frontend (back-pressure)
 DEDUPE_WINDOW = 100_000          # (client, msg_id) pairs remembered per client
 MAX_PARKED_READS = 10_000        # table reads waiting for a bsp step to be applied
@@ -31,6 +35,7 @@ LOG_SYNC_INTERVAL = 1.0          # fsync "interval": at most this long between f
 class Settings:
     shard_credit: int = SHARD_CREDIT
     max_batch_bytes: int = MAX_BATCH_BYTES
+    max_batch_entries: int = MAX_BATCH_ENTRIES
     max_pending_bytes: int = MAX_PENDING_BYTES
     max_tensor_bytes: int = wire.MAX_TENSOR_BYTES
     heartbeat_interval: float = timing.HEARTBEAT_INTERVAL

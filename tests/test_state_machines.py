@@ -416,6 +416,42 @@ def test_a_large_snapshot_is_answered_in_parts_of_at_most_a_batch():
         layout.block_keys())
 
 
+def test_batches_and_snapshot_asks_carry_at_most_max_batch_entries_blocks():
+    """A shard applies a message whole before it heartbeats again: an init or push of many
+    small blocks goes out in batches of at most max_batch_entries entries, and a snapshot of
+    them in asks of at most as many keys; everything is applied once, and the answers are
+    whole."""
+    rig = Rig(("s0",), partitions=2, max_batch_entries=8)
+    sent = []
+    orig = rig.to_shard
+    rig.to_shard = lambda sid, fr: (sent.append(unpack(fr[0])), orig(sid, fr))
+    values = np.arange(400, dtype=np.float32)               # 100 blocks of 4 values
+    frames, layout = init_msg(1, "w", values)
+    rig.client(b"c", frames)
+    while rig.broker.pending_entries:
+        rig.deliver(rig.broker.flush(rig.now))
+    batches = [h for h in sent if h["kind"] == "batch"]
+    sizes = [sum(len(part["e"]) for part in h["parts"]) for h in batches]
+    assert max(sizes) == 8 and sum(sizes) == 100, sizes
+    assert [r["kind"] for r in rig.replies(b"c")] == ["init_ok"]
+    sent.clear()
+    rig.client(b"c", push_msg(2, layout, np.ones(400, np.float32)))
+    while rig.broker.pending_entries:
+        rig.deliver(rig.broker.flush(rig.now))
+    sizes = [sum(len(part["e"]) for part in h["parts"]) for h in sent if h["kind"] == "batch"]
+    assert max(sizes) == 8 and sum(sizes) == 100, sizes
+    assert [r["kind"] for r in rig.replies(b"c")] == ["ack"]
+    sent.clear()
+    rig.client(b"c", [wire.pack(wire.SNAPSHOT, req=5, keys=layout.block_keys())])
+    asks = [h for h in sent if h["kind"] == "snapshot"]
+    assert max(len(h["keys"]) for h in asks) == 8
+    assert sum(len(h["keys"]) for h in asks) == 100
+    replies = [r for r in rig.replies(b"c") if r["kind"] == "snapshot_reply"]
+    assert sorted(d["k"] for r in replies for d in r["t"]) == sorted(layout.block_keys())
+    assert {d.get("ver") for r in replies for d in r["t"]} == {1}
+    rig.check()
+
+
 # ---------------------------------------------------------------- streamed sums
 def _shard_sgd(dtype, n, lr=1.0, nan_policy="refuse"):
     sc = CheckedShard("s", nan_policy=nan_policy)

@@ -115,15 +115,20 @@ def metrics(core, now: float) -> dict:
     wire_b, dec_b = c.get("push_wire_bytes", 0), c.get("push_decoded_bytes", 0)
     out = {f"gradbus_broker_{name}": stats.counter(help_, c.get(key, 0))
            for name, key, help_ in _BROKER_COUNTERS}
-    if core.pair_status is not None:
-        pair = core.pair_status(now)
+    pair = core.pair_status(now) if core.pair_status is not None else None
+    out.update({   # every broker: a lone one is active and has no peer to miss
+        "gradbus_broker_pair_active": stats.gauge(
+            "1 while this broker is active (a broker without a peer always is), 0 while "
+            "the standby of its pair.", int(pair is None or pair["role"] == "active")),
+        "gradbus_broker_pair_peer_unheard": stats.gauge(
+            "1 while this broker of a pair does not hear its peer on the pair link (no "
+            "standby ready, or both brokers active); 0 without a peer.",
+            int(pair is not None and pair["peer"]["role"] == "silent"))})
+    if pair is not None:
         out.update({
             "gradbus_broker_pair_takeovers_total": stats.counter(
                 "Times this broker took over as the active one of its pair.",
                 pair["takeovers"]),
-            "gradbus_broker_pair_active": stats.gauge(
-                "1 while this broker is the active one of its pair, 0 while standby.",
-                int(pair["role"] == "active")),
             "gradbus_broker_pair_epoch": stats.gauge(
                 "The broker epoch: this broker's while active, else the highest it knows.",
                 pair["epoch"])})

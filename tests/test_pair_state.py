@@ -82,6 +82,26 @@ def test_status_says_the_roles_epoch_and_takeovers():
     assert p.beat() == {"role": ACTIVE, "epoch": 1, "run": 1}
 
 
+def test_every_broker_exports_whether_it_is_active_and_hears_its_peer():
+    from gradbus.broker import status
+    from gradbus.broker.core import BrokerCore
+
+    def gauges(core, now):
+        m = status.metrics(core, now)
+        return (m["gradbus_broker_pair_active"][2][()],
+                m["gradbus_broker_pair_peer_unheard"][2][()], "gradbus_broker_pair_epoch" in m)
+    core = BrokerCore(now=0.0)
+    assert gauges(core, 0.0) == (1, 0, False)            # a lone broker: active, no peer
+    p = pair()
+    core.pair_status = p.status
+    assert gauges(core, 0.0) == (0, 1, True)             # a standby that never heard its peer
+    p.link(True)
+    p.peer(0.0, STANDBY, 0, 0)
+    p.claim(0.1)
+    assert gauges(core, 0.2) == (1, 0, True)             # active, its standby heard
+    assert gauges(core, 5.0) == (1, 1, True)             # active, its peer silent
+
+
 # ------------------------------------------------------------------ a shard's registration
 def registered(reg: Registration, now: float, bepoch: int) -> list:
     reg.connected(now)

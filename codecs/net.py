@@ -138,7 +138,7 @@ def _ask(s: zmq.Socket, watch: security.HandshakeWatch, msg, end: float, stop=No
                 return None
         elif watch.poll(int(max(0.0, step - time.monotonic()) * 1000)):
             return s.recv()
-        if time.monotonic() >= end:
+        if watch.refused or time.monotonic() >= end:
             return None
 
 

@@ -332,7 +332,8 @@ class HandshakeWatch:
 
     def poll(self, timeout_ms: int) -> bool:
         """Wait up to ``timeout_ms`` for the socket to be readable; raises on a failed
-        handshake."""
+        handshake. A watch that counts refusals returns False as soon as one is counted
+        (nothing listens there: no reply will come)."""
         deadline = time.monotonic() + timeout_ms / 1000
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
@@ -343,7 +344,7 @@ class HandshakeWatch:
                 self.check()
             if self.sock in ready:
                 return True
-            if time.monotonic() >= deadline:
+            if self.refused or time.monotonic() >= deadline:
                 return False
 
     def close(self) -> None:

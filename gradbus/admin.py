@@ -35,7 +35,7 @@ def request_all(url: str, kind: str, timeout: float = 5.0, *,
     urls = net.broker_urls(url)
     for i, one in enumerate(urls):
         try:
-            return _request_all(one, kind, timeout, curve, fields)
+            return _request_all(one, kind, timeout, curve, fields, refused_fast=len(urls) > 1)
         except GradbusError as e:
             last = i == len(urls) - 1
             if last or not (e.code == Code.NOT_ACTIVE or isinstance(e, Unanswered)):
@@ -43,25 +43,32 @@ def request_all(url: str, kind: str, timeout: float = 5.0, *,
     raise AssertionError("unreachable")
 
 
-def _request_all(url: str, kind: str, timeout: float, curve, fields) -> list[dict]:
+def _request_all(url: str, kind: str, timeout: float, curve, fields,
+                 refused_fast: bool = False) -> list[dict]:
+    """One broker's replies. ``refused_fast`` (a broker of a pair): a refused connection
+    (nothing listens there) is Unanswered at once, not at the timeout."""
     net.split_url(url)
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.linger = 0
     if curve is not None:
         security.client_setup(s, curve)
-    watch = security.HandshakeWatch(s, curve, url)
+    watch = security.HandshakeWatch(s, curve, url, refusals=refused_fast)
     deadline = time.monotonic() + timeout
     try:
         s.connect(url)
         req = next(_ids)
         if not net.send_before(s, wire.pack(kind, req=req, **fields), deadline, watch):
+            if watch.refused:
+                raise Unanswered(f"nothing listens at {url}: the connection was refused")
             raise Unanswered(f"could not send to the broker at {url} within {timeout:.1f}s: "
                                f"no connection took the request (is the broker up there, "
                                f"and does it accept this process's keys?)")
         replies: list[dict] = []
         while True:
             if not watch.poll(int(timeout * 1000)):
+                if watch.refused:
+                    raise Unanswered(f"nothing listens at {url}: the connection was refused")
                 raise Unanswered(f"no reply from the broker at {url} within {timeout:.1f}s")
             frames = s.recv_multipart()
             h = wire.unpack_header(frames[0], wire.CLIENT_KINDS)
@@ -87,7 +94,7 @@ def status(url: str, timeout: float = 5.0, curve: security.Curve | None = None) 
     got, brokers = [], []
     for one in urls:
         try:
-            st = request(one, wire.STATUS, timeout, curve=curve)["status"]
+            st = _request_all(one, wire.STATUS, timeout, curve, {}, refused_fast=True)[0]["status"]
         except GradbusError as e:
             brokers.append({"url": one, "role": "unreachable", "error": str(e)})
             continue

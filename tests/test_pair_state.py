@@ -189,3 +189,25 @@ def test_a_lone_standby_answers_not_active_then_a_shard_makes_it_active(lone_pai
     finally:
         again.close()
 
+
+
+def test_ops_requests_to_a_pair_skip_a_broker_that_is_down_at_once(lone_pair_broker):
+    """A refused connection (nothing listens) sends an ops request on to the pair's other
+    broker at once, not after its timeout; the status of the pair says which is down."""
+    import time
+
+    from gradbus import admin
+    from gradbus.cluster import free_ports
+    srv = lone_pair_broker
+    dead = f"tcp://127.0.0.1:{free_ports(1)[0]}"
+    t0 = time.monotonic()
+    st = admin.status(f"{dead},{srv.url}", timeout=60)
+    got = admin.request(f"{dead},{srv.url}", wire.STATUS, timeout=60)
+    took = time.monotonic() - t0
+    assert got["kind"] == wire.STATUS_REPLY and got["status"]["pair"]["role"] == STANDBY
+    assert [b["role"] for b in st["brokers"]] == ["unreachable", STANDBY]
+    assert "nothing listens" in st["brokers"][0]["error"], st["brokers"][0]
+    assert took < 30, f"waited {took:.1f}s on the broker that is down (timeout 60 s)"
+    # one broker named alone: a refused connection is waited on (it may be starting)
+    with pytest.raises(admin.Unanswered, match="within 0.5s"):
+        admin.status(dead, timeout=0.5)

@@ -121,9 +121,10 @@ def role_of(pid: int) -> str:
             argv = f.read().split(b"\0")
     except OSError:
         return "other"
-    for role in (b"broker", b"shard", b"up"):
-        if b"gradbus" in argv and role in argv:
-            return "launcher" if role == b"up" else role.decode()
+    if b"gradbus" in argv:
+        for arg, role in ((b"broker", "broker"), (b"shard", "shard"), (b"up", "launcher")):
+            if arg in argv:
+                return role
     return "worker" if any(b"spawn_main" in a for a in argv) else "other"
 
 

@@ -59,16 +59,14 @@ def _request_all(url: str, kind: str, timeout: float, curve, fields,
         s.connect(url)
         req = next(_ids)
         if not net.send_before(s, wire.pack(kind, req=req, **fields), deadline, watch):
-            if watch.refused:
-                raise Unanswered(f"nothing listens at {url}: the connection was refused")
+            _raise_if_refused(watch, url)
             raise Unanswered(f"could not send to the broker at {url} within {timeout:.1f}s: "
                                f"no connection took the request (is the broker up there, "
                                f"and does it accept this process's keys?)")
         replies: list[dict] = []
         while True:
             if not watch.poll(int(timeout * 1000)):
-                if watch.refused:
-                    raise Unanswered(f"nothing listens at {url}: the connection was refused")
+                _raise_if_refused(watch, url)
                 raise Unanswered(f"no reply from the broker at {url} within {timeout:.1f}s")
             frames = s.recv_multipart()
             h = wire.unpack_header(frames[0], wire.CLIENT_KINDS)
@@ -83,6 +81,11 @@ def _request_all(url: str, kind: str, timeout: float, curve, fields,
     finally:
         watch.close()
         s.close(linger=0)
+
+
+def _raise_if_refused(watch: security.HandshakeWatch, url: str) -> None:
+    if watch.refused:
+        raise Unanswered(f"nothing listens at {url}: the connection was refused")
 
 
 def status(url: str, timeout: float = 5.0, curve: security.Curve | None = None) -> dict:

@@ -19,12 +19,11 @@ batches holds bit-identical state.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradbus.codecs import device, stats, wire
+from gradbus.codecs import device, stats, values, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.messages import BatchPart, InitEntry, PushEntry, TableInitEntry
 from gradbus.codecs.partition import split_key
@@ -67,24 +66,6 @@ def _ident(ent: PushEntry, desc) -> tuple | None:
     """A pushed gradient's identity, (client, msg, key), for skipping a resend; None when the
     entry carries no msg id."""
     return None if ent.m is None else (ent.c, ent.m, desc.key)
-
-
-_BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-def _all_finite(vals) -> bool:
-    """No NaN or Inf in ``vals`` (numpy or CuPy): one reduction first, the exact check only
-    when its result is not finite (an overflow, or a value that is not). The reduction is the
-    sum of squares where BLAS computes it (contiguous float32/64 on the host: a third of the
-    time of a sum here), finite only when every value is (no square is negative, so no
-    inf - inf hides one); else the sum, finite likewise."""
-    xp = device.array_module(vals)
-    if xp is np and vals.dtype in _BLAS_FLOATS and vals.flags.c_contiguous:
-        first = np.vdot(vals, vals)
-    else:
-        with np.errstate(over="ignore", invalid="ignore"):   # an overflow says "look closer"
-            first = xp.add.reduce(vals, axis=None)
-    return math.isfinite(first) or bool(xp.isfinite(vals).all())
 
 
 def _weight(ent: PushEntry, dtype) -> np.ndarray | None:
@@ -274,7 +255,7 @@ class Applier:
                 else:
                     np.copyto(o, v)
         if all(st.verified() for st in streams) and (
-                self.nan_policy != "refuse" or _all_finite(acc)):
+                self.nan_policy != "refuse" or values.all_finite(acc, device.array_module(acc))):
             return acc
         return None
 
@@ -337,7 +318,7 @@ class Applier:
         """A decoded gradient's values as they are to be summed: NOT_FINITE when it holds NaN
         or Inf (nan_policy refuse), None when it was applied before (a resend through a
         restarted broker), scaled by the entry's ``w`` (staleness-scaled step)."""
-        if self.nan_policy == "refuse" and not _all_finite(vals):
+        if self.nan_policy == "refuse" and not values.all_finite(vals, device.array_module(vals)):
             raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
         ident = _ident(ent, desc)
         if ident is not None and pst.seen(ident):

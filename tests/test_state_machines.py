@@ -612,7 +612,7 @@ def test_a_backend_that_sums_in_its_step_gets_the_batch_as_a_list():
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
 @pytest.mark.parametrize("layout", ["flat", "rows", "strided"])
 def test_the_finiteness_check_finds_every_non_finite_value_and_no_false_one(dtype, layout):
-    from gradbus.shards.apply import _all_finite
+    from gradbus.codecs.values import all_finite as _all_finite
     rng = np.random.default_rng(3)
 
     def shaped(a):

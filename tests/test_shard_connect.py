@@ -73,8 +73,8 @@ def refused_backend_workload(url: str, secret: str, server_key: str, allowed: st
                              forced: bool) -> None:
     """The shard's key is allowed for its HELLO, then revoked (removed from the broker's allow
     directory) before it connects to the backend: the shard's run raises SecurityError saying
-    the key was refused. ``forced``: the backend's pipe is gone before REGISTER is sent (once);
-    else as it comes (several times)."""
+    the key was refused. Five runs as it comes; ``forced``: the backend's pipe is gone before
+    REGISTER is sent, runs until one met that."""
     from gradbus.codecs import net
     from gradbus.codecs.errors import SecurityError
     from gradbus.shards.server import ShardServer
@@ -86,12 +86,12 @@ def refused_backend_workload(url: str, secret: str, server_key: str, allowed: st
         at, welcome = real(ctx, urls, first, *a, **k)
         if os.path.exists(allowed):
             os.remove(allowed)                  # the broker refuses the key from now on
-            if forced:
+            if forced and not dropped:
                 backend = net.url(net.split_url(urls[at])[0], welcome["backend"])
                 dropped.extend([backend, _force_dropped_pipe({backend})])
         return at, welcome
     net.hello_any = hello_any
-    for i in range(1 if forced else 5):
+    for i in range(5):
         with open(allowed, "wb") as f:
             f.write(key)
         srv = ShardServer(url, f"s{i}", curve=curve, hello_timeout=TIMEOUT)
@@ -103,8 +103,10 @@ def refused_backend_workload(url: str, secret: str, server_key: str, allowed: st
                 assert dropped[0] in str(e) and url not in str(e), str(e)   # the backend
         else:
             raise AssertionError("the shard ran without its key")
-    if forced:
-        assert dropped[1] == [dropped[0]], dropped   # the REGISTER met a dropped pipe
+        if forced and dropped[1]:
+            break                               # a REGISTER met a dropped pipe
+    if forced:      # libzmq now and then keeps a failed connection's pipe: up to 5 runs
+        assert dropped[1] and set(dropped[1]) == {dropped[0]}, dropped
     print("OK")
 
 
@@ -157,7 +159,8 @@ def lost_backend_workload(hide_failures: bool) -> None:
         srv = ShardServer(f"tcp://127.0.0.1:{port}", "s0", hello_timeout=TIMEOUT)
         run = srv.start_thread()
         try:
-            wait_for(lambda: len(hellos) >= 3, 60, "the shard to say HELLO again")
+            wait_for(lambda: len(hellos) >= 3 and len(dropped) >= 2, 60,
+                     "the shard to say HELLO again, twice after a dropped pipe")
         finally:
             srv.stop()
             run.join(30)

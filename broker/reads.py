@@ -122,9 +122,11 @@ class Reads:
         return any((p := partition_of(k, self.P)) in queued or p in replaying for k in keys)
 
     def has_flushable(self, replaying) -> bool:
-        return any(s.alive and any(not self.blocked(item[2], replaying)
-                                   for item in s.queued_snapshots)
-                   for s in self.members.shards.values())
+        for s in self.members.shards.values():      # asked every loop turn: no generators
+            if s.queued_snapshots and s.alive and any(
+                    not self.blocked(item[2], replaying) for item in s.queued_snapshots):
+                return True
+        return False
 
     def dispatch(self, replaying, actions: list) -> None:
         """Send the queued reads that no queued entry blocks."""

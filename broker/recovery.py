@@ -146,7 +146,8 @@ class Recovery:
                 self.schedule_replay(p, 0)
 
     def has_flushable(self) -> bool:
-        return any(self.sequencer.can_send(self.table.group(p)) for p in self.replaying)
+        return bool(self.replaying) and any(self.sequencer.can_send(self.table.group(p))
+                                            for p in self.replaying)
 
     def flush(self, now: float, actions: list) -> None:
         """Send the logged batches of replaying partitions, one record per message, in order."""

@@ -156,6 +156,8 @@ class Sequencer:
                 actions.append(ToShard(sh.identity, msg, inline, relay if inline else 0))
 
     def has_flushable(self, replaying) -> bool:
+        if not self.pending_entries:        # the loop asks every turn: mostly nothing waits
+            return False
         group = self.table.group
         return any(p not in replaying and self.can_send(group(p)) for p in self.pending_entries)
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import errno
 import os
+import select
 import socket
 import struct
 import threading
@@ -42,6 +43,7 @@ IOV_MAX = 512                     # buffers per sendmsg call
 DEFAULT_LIMIT = 64 << 20          # bytes a link queues before it refuses messages
 _N = struct.Struct("<I")
 _PEERCRED = struct.Struct("3i")
+_POLL_IN_OUT = select.POLLIN | select.POLLOUT
 
 
 class LinkClosed(ConnectionError):
@@ -77,6 +79,7 @@ class Link:
         self.big_lens: list | None = None
         self.big_got = 0
         self.ready: collections.deque = collections.deque()   # whole messages, not yet taken
+        self.drained = False              # the last read took all the socket had
 
     def fileno(self) -> int:
         return self.fd
@@ -132,9 +135,13 @@ class Link:
     # -- reading ---------------------------------------------------------------------------------
     def recv(self) -> list | None:
         """The next whole message (a list of frames: bytes, or views of one buffer for a large
-        message), or None when none has arrived whole yet. Raises :class:`LinkClosed` once the
+        message), or None when none has arrived whole yet (or the last read emptied the socket:
+        poll it before asking again). Raises :class:`LinkClosed` once the
         peer closed the link and every message it sent was taken."""
         if not self.ready:
+            if self.drained and not self.closed:
+                self.drained = False        # the last read emptied the socket: a poll first,
+                return None                 # not a read that fails (a syscall and an exception)
             self._read()
         if self.ready:
             return self.ready.popleft()
@@ -178,6 +185,7 @@ class Link:
             self.rbuf += data
             self._parse()
             if self.ready and len(data) < READ_CHUNK:
+                self.drained = True
                 return
 
     def _parse(self) -> None:
@@ -316,6 +324,8 @@ class LinkSocket:
     def __init__(self, lnk: Link):
         self.link = lnk
         self.lost = False
+        self._poll = select.poll()          # one per link: the loop polls every turn
+        self._flags = 0
 
     def fileno(self) -> int:
         return self.link.fd
@@ -346,15 +356,16 @@ class LinkSocket:
     def poll(self, timeout: int | None = None, flags: int = 1) -> int:
         """POLLIN (1) when a message can be taken, else 0 after ``timeout`` ms; writes what is
         queued meanwhile."""
-        import select
         lnk = self.link
         if lnk.buffered or self.lost or lnk.closed:
             return 1
         if lnk.pending:
             lnk.flush()
-        p = select.poll()
-        p.register(lnk.fd, select.POLLIN | (select.POLLOUT if lnk.pending else 0))
-        got = p.poll(timeout)
+        flags = _POLL_IN_OUT if lnk.pending else select.POLLIN
+        if flags != self._flags:
+            self._poll.register(lnk.fd, flags)
+            self._flags = flags
+        got = self._poll.poll(timeout)
         if got and got[0][1] & select.POLLOUT:
             lnk.flush()
         return 1 if got and got[0][1] & (select.POLLIN | select.POLLHUP | select.POLLERR) else 0

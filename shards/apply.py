@@ -88,7 +88,7 @@ class Applier:
         self.nan_policy = nan_policy
         self.max_tensor_bytes = max_tensor_bytes
         self._on_host = backend.xp is np   # raw/fp16/bf16 frames summed as they are read
-        self._scratch: dict[str, np.ndarray] = {}
+        self._scratch: dict = {}        # by dtype (its .name is slow to compute)
         self._accs: dict[str, np.ndarray] = {}
         self.h_pushes = stats.Histogram(stats.COUNT_BUCKETS)  # gradients summed per key
 
@@ -333,9 +333,9 @@ class Applier:
 
     # -- buffers -----------------------------------------------------------------------------
     def _scratch_for(self, n: int, dtype) -> np.ndarray:
-        buf = self._scratch.get(dtype.name)
+        buf = self._scratch.get(dtype)
         if buf is None or buf.size < n:
-            buf = self._scratch[dtype.name] = self.backend.xp.empty(max(n, 1), dtype)
+            buf = self._scratch[dtype] = self.backend.xp.empty(max(n, 1), dtype)
         return buf[:n]
 
     def _acc_for(self, key: str, like: np.ndarray) -> np.ndarray:

@@ -6,6 +6,7 @@ import os
 import socket
 import struct
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -53,6 +54,38 @@ def test_messages_of_every_frame_kind_arrive_whole_and_in_order(pair):
     assert got[3] == [b"h"] + [bytes([i]) * i for i in range(40)]
     assert b.recv() is None and not b.buffered
     assert b.send([b"back"]) and _take(a, 1) == [[b"back"]]
+
+
+def test_a_read_that_emptied_the_socket_is_not_followed_by_a_failing_one(pair):
+    """After a read that took all the socket had, the next ``recv`` says "nothing yet" without
+    a system call (which would fail with EAGAIN); the one after reads again, so a message
+    that came meanwhile is not missed, and neither is the peer closing."""
+    a, b = pair
+
+    class Counting:                 # the reader's socket, its reads counted
+        def __init__(self, sock):
+            self.sock, self.reads = sock, 0
+
+        def recv(self, n):
+            self.reads += 1
+            return self.sock.recv(n)
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    counting = Counting(b.sock)
+    b.sock = counting
+    assert a.send([b"one"])
+    assert _take(b, 1) == [[b"one"]]
+    reads = counting.reads
+    assert b.recv() is None and counting.reads == reads          # no failing read
+    assert a.send([b"two"]) and a.send([b"three"])
+    assert _take(b, 2) == [[b"two"], [b"three"]]
+    a.sock.close()
+    with pytest.raises(link.LinkClosed):
+        deadline = time.monotonic() + DEADLINE
+        while time.monotonic() < deadline:
+            b.recv()
 
 
 def test_a_large_message_goes_out_in_pieces_while_the_reader_reads():

@@ -18,7 +18,9 @@ cupy when it imports and sees a device, else numpy). Every backend has the same 
 Arrays are flat (1-D), of one dtype. The numpy backend walks them in chunks of ``chunk_bytes``
 per array through one chunk-sized temporary, so every pass after a chunk's first stays in cache.
 With ``jit`` (what ``load()`` asks for: numba when it imports) its float32/float64 steps run as
-numba loops instead: one pass over memory, the same expressions in the same order. The CuPy
+numba loops instead: one pass over memory, the same expressions in the same order, the same
+bits (a replica may take either path for the same batch: an unaligned frame takes numpy's).
+So the numpy path takes no shortcut that rounds differently (momentum's k = 1). The CuPy
 backend runs each step as one fused ElementwiseKernel, a batch's sum included.
 """
 from __future__ import annotations
@@ -165,15 +167,6 @@ class NumpyBackend:
         coefs = momentum_coefs(k, lr, mu)
         if self._fusable(w, g, v):
             self.fused["momentum"](w, g, v, *map(w.dtype.type, coefs))
-            return
-        if k == 1:                             # v = mu*v + g; w -= lr*v: 4 passes, not 7
-            mu, lr = np.array(mu, w.dtype), np.array(lr, w.dtype)
-            for sl, t in self._chunks(w.size, w.dtype, scratch):
-                vv = v[sl]
-                vv *= mu
-                vv += g[sl]
-                np.multiply(vv, lr, out=t)
-                w[sl] -= t
             return
         a, b, c, d = (np.array(x, w.dtype) for x in coefs)
         for sl, t in self._chunks(w.size, w.dtype, scratch):

@@ -53,10 +53,6 @@ from .pair_link import PairLink
 from .shm_io import ShmIO
 
 log = logging.getLogger("gradbus.broker")
-# poll event bits as plain ints: zmq.POLLOUT is an IntFlag, and an enum operation per loop
-# turn is Python calls the loop need not make
-_POLLOUT = int(zmq.POLLOUT)
-_NOT_POLLOUT = ~_POLLOUT
 
 EVENTS_SNDHWM = 64        # messages queued per subscriber before XPUB drops (clients re-snapshot)
 FRONTEND_RCVHWM = 16      # messages libzmq queues per client connection before TCP back-pressure:
@@ -397,9 +393,9 @@ class BrokerServer:
                     ready = set(links.again)
                     for fd, ev in events.items():
                         if type(fd) is int and fd != listener:
-                            if ev & _POLLOUT:
+                            if ev & net.POLLOUT:
                                 links.writable(fd)
-                            if ev & _NOT_POLLOUT:
+                            if ev & ~net.POLLOUT:
                                 ready.add(fd)
                     self._drain_links(ready, SHARD)
                 if self.backend in events:

@@ -16,6 +16,9 @@ from . import security, timing, wire
 from .errors import Code, GradbusError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
+# poll event bits as plain ints, for loops that test them every turn: zmq's are IntFlags, and
+# each ``&`` or ``|`` on one is several Python calls
+POLLIN, POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
 #: Frames below this are copied by pyzmq even with copy=False. Zero-copy sends cost a
 #: notification through pyzmq's garbage-collector thread per frame, which outweighs a memcpy
 #: for frames up to a few hundred KiB (measured: 17% of a shard's CPU at 64 KiB pushes).

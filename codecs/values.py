@@ -20,12 +20,17 @@ _CHUNK = 1 << 16      # elements per cache-sized chunk in the fp16/bf16/int8 loo
 _BLAS_FLOATS = (np.dtype(np.float32), np.dtype(np.float64))
 
 
-def all_finite(vals, xp=np) -> bool:
-    """No NaN or Inf in ``vals`` (of array module ``xp``: numpy or CuPy): one reduction
-    first, the exact check only when its result is not finite (an overflow, or a value that
-    is not). The reduction is the sum of squares where BLAS computes it (contiguous
+def all_finite(vals) -> bool:
+    """No NaN or Inf in ``vals`` (a numpy or CuPy array): one reduction first, the exact
+    check only when its result is not finite (an overflow, or a value that is not). The
+    reduction is the sum of squares where BLAS computes it (contiguous
     float32/64 on the host: a third of the time of a sum here), finite only when every value
     is (no square is negative, so no inf - inf hides one); else the sum, finite likewise."""
+    if type(vals) is np.ndarray:
+        xp = np
+    else:
+        from .device import array_module  # device imports this module
+        xp = array_module(vals)
     if xp is np and vals.dtype in _BLAS_FLOATS and vals.flags.c_contiguous:
         first = np.vdot(vals, vals)
     else:

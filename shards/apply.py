@@ -255,7 +255,7 @@ class Applier:
                 else:
                     np.copyto(o, v)
         if all(st.verified() for st in streams) and (
-                self.nan_policy != "refuse" or values.all_finite(acc, device.array_module(acc))):
+                self.nan_policy != "refuse" or values.all_finite(acc)):
             return acc
         return None
 
@@ -318,7 +318,7 @@ class Applier:
         """A decoded gradient's values as they are to be summed: NOT_FINITE when it holds NaN
         or Inf (nan_policy refuse), None when it was applied before (a resend through a
         restarted broker), scaled by the entry's ``w`` (staleness-scaled step)."""
-        if self.nan_policy == "refuse" and not values.all_finite(vals, device.array_module(vals)):
+        if self.nan_policy == "refuse" and not values.all_finite(vals):
             raise WireError(Code.NOT_FINITE, f"{desc.key}: gradient has NaN or Inf")
         ident = _ident(ent, desc)
         if ident is not None and pst.seen(ident):

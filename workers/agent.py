@@ -29,9 +29,6 @@ from .actions import Reconnect, Subscribe, Unsubscribe
 from .agent_state import AgentState, Send
 
 log = logging.getLogger("gradbus.client")
-# poll event bits as plain ints (zmq's are IntFlags: an enum operation per loop turn)
-_POLLIN, _POLLOUT = int(zmq.POLLIN), int(zmq.POLLOUT)
-_POLLIN_OUT = _POLLIN | _POLLOUT
 
 EVENTS_RCVHWM = 64
 DRAIN_BATCH = 256            # messages read from one socket before the others get a turn
@@ -141,7 +138,7 @@ class Agent(threading.Thread):
                 lnk = self.link
                 timeout = state.poll_ms
                 if lnk is not None:
-                    flags = _POLLIN_OUT if lnk.pending else _POLLIN
+                    flags = net.POLLIN | (net.POLLOUT if lnk.pending else 0)
                     if flags != link_flags:
                         poller.register(lnk.fd, flags)
                         link_flags = flags
@@ -170,9 +167,9 @@ class Agent(threading.Thread):
                 self._act()
                 if lnk is not None:
                     ev = ready.get(lnk.fd, 0)
-                    if ev & _POLLOUT:
+                    if ev & net.POLLOUT:
                         lnk.flush()
-                    if ev & _POLLIN or lnk.buffered or lnk.closed:
+                    if ev & net.POLLIN or lnk.buffered or lnk.closed:
                         self._drain_link(lnk, poller)
                 if self.dealer in ready:
                     state.heard()

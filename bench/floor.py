@@ -294,18 +294,30 @@ def _shm_shard(back: int, n: int, rings: list, board: str, slots: int) -> None:
     s = ctx.socket(zmq.DEALER)
     s.connect(f"tcp://127.0.0.1:{back}")
     s.send(b"hello")
+
+    def recv():
+        client, header = s.recv_multipart(copy=False)
+        return client, header.bytes
+
+    shm_shard_loop(recv, lambda client, header: s.send_multipart([client, header]), n, rings,
+                   board, slots)
+
+
+def shm_shard_loop(recv, send, n: int, rings: list, board: str, slots: int) -> None:
+    """The shard's work, whatever carries its messages: ``recv()`` gives ``(route, header)``
+    for the next push, ``send(route, header)`` acks it."""
     rings = [Ring(path, n, slots) for path in rings]
     out = Board(board, n)
     acc, w = np.empty(n, np.float32), np.zeros(n, np.float32)
     lr = np.asarray(-1e-6, np.float32)
     out.write(w)
     while True:
-        client, header = s.recv_multipart(copy=False)
-        worker, slot = SLOT.unpack(header.bytes)
+        route, header = recv()
+        worker, slot = SLOT.unpack(header)
         np.multiply(rings[worker].slots[slot], lr, out=acc)    # the gradient, read in place
         w += acc                                                # an SGD step: w -= lr * g
         out.write(w)
-        s.send_multipart([client, b"ack"])
+        send(route, b"ack")
 
 
 def _shm_worker(front: int, index: int, n: int, ring: str, board: str, slots: int,
@@ -313,6 +325,18 @@ def _shm_worker(front: int, index: int, n: int, ring: str, board: str, slots: in
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
     s.connect(f"tcp://127.0.0.1:{front}")
+    try:
+        shm_worker_loop(s.send, lambda: s.poll(200) and s.recv(), index, n, ring, board, slots,
+                        counters, stop, depth, lat)
+    finally:
+        s.close(linger=0)
+        ctx.term()
+
+
+def shm_worker_loop(send, acked, index: int, n: int, ring: str, board: str, slots: int,
+                    counters, stop, depth: int, lat: Samples | None) -> None:
+    """A worker's work, whatever carries its messages: ``send(header)`` pushes, ``acked()``
+    is true when the oldest push's ack came (acks come in order), false after a wait."""
     ring, weights = Ring(ring, n, slots), Board(board, n)
     g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
     w = np.empty(n, np.float32)
@@ -324,11 +348,10 @@ def _shm_worker(front: int, index: int, n: int, ring: str, board: str, slots: in
             if lat is not None:
                 lat.sent(sent)
             np.copyto(ring.slots[slot], g)
-            s.send(SLOT.pack(index, slot))
+            send(SLOT.pack(index, slot))
             sent += 1
-        if not s.poll(200):
+        if not acked():
             continue
-        s.recv()                    # acks come in order: this is the oldest push's
         if lat is not None:
             lat.acked(done)
         weights.read(w)             # the fresh weights, as a training step would take them
@@ -336,8 +359,6 @@ def _shm_worker(front: int, index: int, n: int, ring: str, board: str, slots: in
             lat.fresh(done)
         done += 1
         counters[index] += 1
-    s.close(linger=0)
-    ctx.term()
 
 
 def stop_processes(procs, grace: float = 10.0) -> None:
@@ -358,25 +379,36 @@ def stop_processes(procs, grace: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS, depth: int = IN_FLIGHT,
-                 lat: list | None = None):
+                 lat: list | None = None, transport: str = "zmq"):
     """The ``shm`` pipeline running: a broker, a shard and ``workers`` workers (spawned
     processes), each with at most ``depth`` pushes in flight; worker i adds one to
     ``counters[i]`` per push acked (and records its round trips in ``lat[i]``, a
-    :class:`Samples`, when given) and stops when ``stop.value`` is set. Yields the processes;
-    on leaving, every process is reaped and every segment removed."""
+    :class:`Samples`, when given) and stops when ``stop.value`` is set. ``transport``: ``zmq``
+    (DEALER and ROUTER sockets over TCP) or ``link`` (gradbus's local links, bench/floor_link.py,
+    what gradbus's processes of one host use). Yields the processes; on leaving, every process
+    is reaped and every segment removed."""
     ctx = mp.get_context("spawn")
     n, slots = nbytes // 4, ring_slots(nbytes)
-    front, back = throughput.free_port(), throughput.free_port()
+    if transport == "zmq":
+        front, back = throughput.free_port(), throughput.free_port()
+        broker, shard, worker = (_broker, (front, back)), (_shm_shard, back), (_shm_worker, front)
+    elif transport == "link":
+        import floor_link
+        name = floor_link.address()
+        broker, shard, worker = ((floor_link.broker, (name, workers)), (floor_link.shard, name),
+                                 (floor_link.worker, name))
+    else:
+        raise ValueError(f"transport must be zmq or link, not {transport!r}")
     procs = []
     with Segments() as segs:
         try:
             rings = [segs.make(f"ring{i}", Ring.size(n, slots)) for i in range(workers)]
             board = segs.make("board", Board.size(n))
-            procs = [ctx.Process(target=_broker, args=(front, back), daemon=True),
-                     ctx.Process(target=_shm_shard, args=(back, n, rings, board, slots),
+            procs = [ctx.Process(target=broker[0], args=broker[1], daemon=True),
+                     ctx.Process(target=shard[0], args=(shard[1], n, rings, board, slots),
                                  daemon=True)]
-            procs += [ctx.Process(target=_shm_worker, daemon=True,
-                                  args=(front, i, n, rings[i], board, slots, counters, stop,
+            procs += [ctx.Process(target=worker[0], daemon=True,
+                                  args=(worker[1], i, n, rings[i], board, slots, counters, stop,
                                         depth, lat[i] if lat else None))
                       for i in range(workers)]
             for p in procs:

@@ -20,6 +20,9 @@ sends the next:
     floor_shm             bench/floor.py's ``shm`` pipeline with D pushes in flight: headers
                           through a Python ZeroMQ broker, gradients through shared-memory rings,
                           weights back through a seqlock board; no protocol
+    floor_link            the same pipeline over gradbus's local links (bench/floor_link.py):
+                          Unix stream sockets written and read by the processes' own threads,
+                          the transport gradbus's processes of one host use
 
 Every configuration counts its updates in shared counters and records each update's
 ``time.monotonic()`` when sent, acknowledged and made fresh (the worker holds weights including
@@ -33,7 +36,7 @@ and the CPU time (utime + stime in /proc/PID/stat) of every process under it at 
     fresh_p50_ms, fresh_p99_ms
                       push to the worker holding weights that include it
     cpu_s_per_update  CPU seconds of all the configuration's processes in the window, per update
-    vs_rpc, vs_rpc_tcp, vs_floor_shm
+    vs_rpc, vs_rpc_tcp, vs_floor_shm, vs_floor_link
                       updates_per_s over that configuration's, same size, depth and round (the
                       median of the rounds' ratios with ``--repeat``); null when it did not run
 
@@ -48,7 +51,8 @@ window. Its last line also gives the CPU microseconds per update of each kind of
 (``cpu_us_per_update_by_role``: broker, shard, worker, launcher), stamping included.
 
 Usage: python bench/peers.py [--sizes 64K,4M,16M] [--depth 1,4,32] [--seconds 4] [--warmup 1.5]
-                             [--configs rpc,rpc_tcp,gradbus_shm,gradbus_worker_noshm,floor_shm]
+                             [--configs rpc,rpc_tcp,gradbus_shm,gradbus_worker_noshm,floor_shm,
+                                        floor_link]
                              [--workers 2] [--repeat N] [--hops]
 """
 from __future__ import annotations
@@ -76,9 +80,11 @@ import floor  # noqa: E402  (the shm pipeline, the window, the samples, the proc
 import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
-CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm")
-DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm")
-REFERENCES = ("rpc", "rpc_tcp", "floor_shm")
+CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
+           "floor_link")
+DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
+                   "floor_link")
+REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")
 READY_TIMEOUT = 120.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -288,9 +294,9 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
 
 
 @contextlib.contextmanager
-def _floor(run: dict, counters, stop, lat):
+def _floor(run: dict, counters, stop, lat, transport: str):
     with floor.shm_pipeline(run["bytes"], counters, stop, run["workers"], run["depth"],
-                            lat) as procs:
+                            lat, transport) as procs:
         yield lambda: all(p.exitcode is None for p in procs)
 
 
@@ -302,8 +308,8 @@ def start(config: str, run: dict, counters, stop, lat):
     if config in ("gradbus_shm", "gradbus_worker_noshm"):
         return gradbus_config(run, counters, stop, lat,
                               "1" if config == "gradbus_shm" else "0")
-    if config == "floor_shm":
-        return _floor(run, counters, stop, lat)
+    if config in ("floor_shm", "floor_link"):
+        return _floor(run, counters, stop, lat, "zmq" if config == "floor_shm" else "link")
     raise ValueError(f"unknown configuration {config!r}")
 
 

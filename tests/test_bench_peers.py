@@ -89,3 +89,50 @@ def test_samples_window_takes_the_updates_made_fresh_in_it():
     assert all(0 <= a <= f for a, f in zip(acks, fresh))
     s.sent(5 + floor.Samples.CAPACITY)        # the slot of update 5 again: its old times go
     assert s.t[16] == 0.0 and s.t[17] == 0.0
+
+
+_PIPELINE = """
+import json, multiprocessing as mp, sys, time
+sys.path.insert(0, sys.argv[1])
+import floor
+ctx = mp.get_context("spawn")
+counters, stop = ctx.RawArray("q", 2), ctx.RawValue("b", 0)
+lat = [floor.Samples(ctx) for _ in range(2)]
+with floor.shm_pipeline(4 << 10, counters, stop, 2, 2, lat, sys.argv[2]) as procs:
+    deadline = time.monotonic() + float(sys.argv[3])
+    while min(counters) < 50 and time.monotonic() < deadline:
+        if any(p.exitcode is not None for p in procs):
+            break
+        time.sleep(0.05)
+    counts, pids = list(counters), [p.pid for p in procs]
+acks, fresh = lat[0].window(0.0, time.monotonic() + 1)
+print(json.dumps({"counts": counts, "pids": pids, "acks": acks, "fresh": fresh,
+                  "ended": [p.exitcode is not None for p in procs]}))
+"""
+
+
+@pytest.mark.parametrize("transport", ["zmq", "link"])
+def test_floor_pipeline_acks_every_worker_over_either_transport_and_leaves_nothing(transport):
+    import json
+    before = _bench_segments()
+    out = subprocess.run([sys.executable, "-c", _PIPELINE, os.path.join(ROOT, "bench"),
+                          transport, str(DEADLINE)], capture_output=True, text=True,
+                         timeout=DEADLINE + 60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout)
+    assert min(got["counts"]) >= 50, got["counts"]
+    assert all(got["ended"])                        # every process of it was reaped
+    assert all(not os.path.exists(f"/proc/{pid}") for pid in got["pids"])
+    assert _bench_segments() <= before
+    assert len(got["acks"]) >= 50
+    assert all(0 < a <= f for a, f in zip(got["acks"], got["fresh"]))
+
+
+def test_floor_pipeline_refuses_an_unknown_transport():
+    import types
+    before = _bench_segments()
+    with pytest.raises(ValueError, match="transport"):
+        with floor.shm_pipeline(4 << 10, [0], types.SimpleNamespace(value=0), 1, 1, None,
+                                "tcp"):
+            pass
+    assert _bench_segments() <= before

@@ -66,7 +66,7 @@ def broker(name: str, workers: int) -> None:
                     poller.register(new.fd, select.POLLIN)
                 continue
             lnk = links[fd]
-            while (frames := lnk.recv()) is not None:
+            for frames in _drain(lnk):
                 if len(frames) == 3:                        # an introduction
                     role, identity = link.introduction(frames)
                     if role == link.SHARD:
@@ -82,6 +82,21 @@ def broker(name: str, workers: int) -> None:
                     shard.send(frames)
                 else:
                     early.append(frames)
+            if lnk.closed:                                  # a worker that ended
+                poller.unregister(fd)
+                links.pop(fd).close()
+
+
+def _drain(lnk: link.Link):
+    """The whole messages the link has now, until it has none or its peer closed it."""
+    while True:
+        try:
+            frames = lnk.recv()
+        except link.LinkClosed:
+            return
+        if frames is None:
+            return
+        yield frames
 
 
 def shard(name: str, n: int, rings: list, board: str, slots: int) -> None:
@@ -97,8 +112,11 @@ def shard(name: str, n: int, rings: list, board: str, slots: int) -> None:
                 header = frames[0]
                 return b"%d" % floor.SLOT.unpack(header)[0], header
 
-    floor.shm_shard_loop(recv, lambda route, ack: lnk.send([route, ack]), n, rings, board,
-                         slots)
+    try:
+        floor.shm_shard_loop(recv, lambda route, ack: lnk.send([route, ack]), n, rings, board,
+                             slots)
+    except link.LinkClosed:         # the broker ended: so does the pipeline
+        pass
 
 
 def worker(name: str, index: int, n: int, ring: str, board: str, slots: int, counters, stop,

@@ -451,6 +451,7 @@ def dead_segments(cluster: str | None = None, roles: str = "wsb") -> list[str]:
         return []
     ns = _pidns()
     out = []
+    alive: dict[int, bool] = {}     # a process owns several segments: asked once per pid
     for name in names:
         who = owned(name)
         if who is None:
@@ -458,7 +459,10 @@ def dead_segments(cluster: str | None = None, roles: str = "wsb") -> list[str]:
         tag, role, pid, pidns = who
         if (cluster is not None and tag != cluster) or role not in roles or pidns != ns:
             continue
-        if not _alive(pid):
+        known = alive.get(pid)
+        if known is None:
+            known = alive[pid] = _alive(pid)
+        if not known:
             out.append(name)
     return out
 

@@ -326,6 +326,29 @@ def test_a_zombie_owner_counts_as_dead():
         end_code(proc)
 
 
+def test_a_sweep_asks_once_per_owner_however_many_segments_it_owns(monkeypatch):
+    """A client owns its ring's segments and more: a sweep checks each owner once (every check
+    reads /proc), and still finds every segment of a dead one."""
+    live = spawn_code(SEGMENT_OWNER)
+    dead = spawn_code(SEGMENT_OWNER)
+    try:
+        live_names, dead_names = live.stdout.readline().split(), dead.stdout.readline().split()
+        dead.send_signal(signal.SIGKILL)
+        dead.wait(10)
+        asked = []
+        check = shm._alive
+        monkeypatch.setattr(shm, "_alive", lambda pid: asked.append(pid) or check(pid))
+        assert sorted(shm.dead_segments()) == sorted(dead_names)
+        assert sorted(asked) == sorted([live.pid, dead.pid])     # 6 segments, 2 owners
+        assert sorted(shm.sweep()) == sorted(dead_names)
+        assert set(live_names) <= set(shm.segments())
+    finally:
+        if dead.poll() is None:
+            dead.kill()
+        end_code(dead)
+        assert end_code(live) == 0
+
+
 # ----------------------------------------------------------------------------- no room
 def test_a_full_directory_is_an_error_at_creation_and_the_ring_falls_back(small_tmpfs, caplog):
     d = small_tmpfs("2m")

@@ -288,6 +288,74 @@ def test_a_live_partition_reads_the_board_needs_no_update_and_resyncs_on_an_epoc
         board.close()
 
 
+class _PublishesAfterRead:
+    """A mapper whose shard writes a newer version of a block right after each read of it."""
+
+    def __init__(self, mapper, publish):
+        self.mapper, self.publish = mapper, publish
+
+    def live_version(self, ref):
+        return self.mapper.live_version(ref)
+
+    def read_live(self, ref, out):
+        got = self.mapper.read_live(ref, out)
+        self.publish(ref)
+        return got
+
+
+def test_a_read_names_the_version_it_copied_not_the_one_the_board_holds_after():
+    """What a pull returns is the version the caller's next push was computed on (its
+    staleness): the oldest block version copied, even when the board moved on at once."""
+    board = shm.Board("00c0ffee", segment_bytes=1 << 20)
+    mapper = shm.Mapper()
+    P, block = 4, 2
+    cache, keys = _live_cache(P, block)
+    versions = dict.fromkeys(keys, 1)
+
+    def publish(k) -> None:
+        versions[k] += 1
+        board.write(k, np.full(block, float(versions[k]), np.float32), version=versions[k],
+                    seq=versions[k])
+
+    try:
+        for k in keys:
+            board.write(k, np.full(block, 1.0, np.float32), version=1, seq=1)
+        cache.on_snapshot({partition_of(k, P): 1 for k in keys},
+                          [(k, LiveBlock(mapper, board.live_ref(k), np.float32, block), 1, None)
+                           for k in keys])
+        first = cache.tensor("w")
+        assert cache.read_versions["w"] == 1 and set(first) == {1.0}
+        assert cache.tensor("w") is first and cache.read_versions["w"] == 1   # unchanged
+        publish(keys[0])                 # one block ahead: the tensor is at the oldest
+        second = cache.tensor("w")
+        assert cache.read_versions["w"] == 1 and second[0] == 2.0 and second[-1] == 1.0
+        for k in keys[1:]:
+            publish(k)
+        racing = _PublishesAfterRead(mapper, lambda ref: publish(
+            next(k for k in keys if board.live_ref(k) == ref)))
+        for k in keys:                   # every read is followed by a newer version at once
+            cache.blocks[k].value = LiveBlock(racing, board.live_ref(k), np.float32, block)
+        third = cache.tensor("w")
+        assert set(third) == {2.0} and cache.read_versions["w"] == 2
+        assert cache.version("w") == 3           # where the board is by now
+        out = np.empty(8, np.float32)
+        assert cache.read_into("w", out) and set(out) == {3.0}
+        assert cache.read_versions["w"] == 3 and cache.version("w") == 4
+    finally:
+        mapper.close()
+        board.close()
+
+
+def test_a_read_of_frames_names_their_version():
+    cache, keys = _live_cache()
+    P = cache.P
+    cache.on_snapshot({partition_of(k, P): 5 for k in keys},
+                      [(k, np.full(2, 5.0, np.float32), 5, None) for k in keys])
+    assert set(cache.tensor("w")) == {5.0} and cache.read_versions["w"] == 5
+    out = np.empty(8, np.float32)
+    assert cache.read_into("w", out) and cache.read_versions["w"] == 5
+
+
 def test_a_live_partition_finds_its_board_again_when_its_shard_is_a_new_process():
     """A restarted shard keeps its name and epoch but writes a new board: the TABLE that shows
     its partitions back up, another primary, or an UPDATE newer than the board, each sends the
@@ -515,3 +583,46 @@ def test_accumulation_by_threshold_sends_a_sum_whose_weights_cannot_be_read_now(
     finally:
         mapper.close()
         board.close()
+
+
+class _AheadAfterRead:
+    """A client's mapper whose board, right after each read, says a newer version is there
+    (a shard that published between the read and anything after it)."""
+
+    def __init__(self, mapper):
+        self.mapper, self.reads = mapper, 0
+
+    def __getattr__(self, name):
+        return getattr(self.mapper, name)
+
+    def live_version(self, ref):
+        got = self.mapper.live_version(ref)
+        return got and (got[0], got[1] + 5 * self.reads)
+
+    def read_live(self, ref, out):
+        got = self.mapper.read_live(ref, out)
+        self.reads += 1
+        return got
+
+
+def test_a_pull_records_the_version_it_returned_for_the_next_push(make_cluster):
+    """An ssp tensor's push carries the version its weights were pulled at: the one the pull
+    copied, not a newer one the board holds by the time the pull returns (that would hide
+    staleness)."""
+    cluster = make_cluster(1)
+    w0 = np.zeros(1000, np.float32)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR), consistency="ssp:1000")
+        for _ in range(3):
+            c.push({"w": np.ones(1000, np.float32)}).result(30)
+        c.pull(["w"], min_version=3, timeout=30)
+        with c._cond:
+            (key, blk), = c.cache.blocks.items()
+            assert type(blk.value) is LiveBlock
+            racing = _AheadAfterRead(blk.value.mapper)
+            blk.value = LiveBlock(racing, blk.value.ref, blk.value.dtype, blk.value.size)
+            c.cache.joined.clear()
+        got = c.pull(["w"], timeout=30)["w"]
+        assert racing.reads == 1 and np.array_equal(got, np.full(1000, -3 * LR, np.float32))
+        assert c.cache.version("w") == 8                 # what the board says by now
+        assert c.versions.pulled["w"] == 3               # what was read

@@ -129,6 +129,11 @@ class WeightCache:
         # bytes as well: not kept for nobody)
         self.joined: dict[str, np.ndarray | weakref.ref] = {}
         self.joined_stamps: dict[str, tuple] = {}   # name -> its live blocks' stamps then
+        self.joined_versions: dict[str, int] = {}   # name -> the version of that read
+        # name -> the version of what its last read (tensor, read_into) returned: the oldest
+        # version among its blocks as they were copied, not as they are now (a live block
+        # may have moved on since)
+        self.read_versions: dict[str, int] = {}
         self.epochs: list | None = None     # (epoch, primary) per partition, last TABLE
         self.newly_live: list[int] = []             # partitions that became live (unfollowed)
 
@@ -363,33 +368,38 @@ class WeightCache:
     def tensor(self, name: str) -> np.ndarray | None:
         """The tensor's weights as one read-only array (never changed after), or None when a
         block in a board was rewritten before it was read (:meth:`stale_keys` says which:
-        the update that rewrote it is on its way)."""
+        the update that rewrote it is on its way). :attr:`read_versions` then holds the
+        version of the array returned."""
         layout = self.layouts[name]
         held = [self.blocks[k] for k in layout.block_keys()]
         stamps = _live_stamps(held)
         joined = self._joined(name)
         if joined is not None and (stamps is None or stamps == self.joined_stamps.get(name)):
+            self.read_versions[name] = self.joined_versions[name]
             return joined               # no block changed since the last read
         if len(held) == 1 and stamps is None and type(held[0].value) is not BoardBlock:
             out = held[0].value.reshape(layout.shape)
             self.joined[name] = out
+            self.joined_versions[name] = self.read_versions[name] = held[0].version
             return out
         flat = np.empty(layout.size, layout.dtype)
         got = self._fill(held, layout, flat)
         if got is None:
             return None
-        boards, read = got
+        boards, read, version = got
         flat.flags.writeable = False
         out = flat.reshape(layout.shape)
         # where its blocks hold the bytes too, kept only while the caller does
         self.joined[name] = out if boards else weakref.ref(out)
+        self.joined_versions[name] = self.read_versions[name] = version
         if read:
             self.joined_stamps[name] = read
         return out
 
     def read_into(self, name: str, out: np.ndarray) -> bool:
         """Copy the tensor's weights into ``out`` (writable, C-contiguous, of its dtype and
-        size); False as :meth:`tensor` returns None."""
+        size); False as :meth:`tensor` returns None. :attr:`read_versions` then holds the
+        version copied."""
         flat = out.reshape(-1)
         layout = self.layouts[name]
         held = [self.blocks[k] for k in layout.block_keys()]
@@ -397,18 +407,23 @@ class WeightCache:
         joined = self._joined(name)
         if joined is not None and (stamps is None or stamps == self.joined_stamps.get(name)):
             np.copyto(flat, joined.reshape(-1))
+            self.read_versions[name] = self.joined_versions[name]
             return True
-        return self._fill(held, layout, flat) is not None
+        got = self._fill(held, layout, flat)
+        if got is None:
+            return False
+        self.read_versions[name] = got[2]
+        return True
 
     def _joined(self, name: str) -> np.ndarray | None:
         joined = self.joined.get(name)
         return joined() if type(joined) is weakref.ref else joined
 
     def _fill(self, held: list, layout: TensorLayout, flat: np.ndarray) -> tuple | None:
-        """Copy the blocks ``held`` into ``flat``: whether one was read from a board, and the
-        stamps of the live blocks' versions read; None when one there was rewritten, or a live
-        one has no version to read."""
-        boards, stamps = False, []
+        """Copy the blocks ``held`` into ``flat``: whether one was read from a board, the
+        stamps of the live blocks' versions read, and the oldest version copied; None when
+        one there was rewritten, or a live one has no version to read."""
+        boards, stamps, version = False, [], None
         for i, blk in enumerate(held):
             a, b = layout.block_range(i)
             t = type(blk.value)
@@ -419,7 +434,9 @@ class WeightCache:
                     return None
                 stamps.append(got[0])
                 boards = True
+                version = got[1] if version is None else min(version, got[1])
                 continue
+            version = blk.version if version is None else min(version, blk.version)
             if t is not BoardBlock:
                 flat[a:b] = blk.value
                 continue
@@ -428,7 +445,7 @@ class WeightCache:
             if not blk.value.read_into(flat[a:b]):
                 self.stats["board_rewritten"] += 1
                 return None
-        return boards, tuple(stamps)
+        return boards, tuple(stamps), version
 
     def stale_keys(self, name: str) -> list[str]:
         """The tensor's blocks whose board bytes are no longer the version held."""

@@ -333,7 +333,8 @@ class Client(PushMethods, TableMethods):
                     if all(v is not None for v in got.values()):
                         self._read(names, False)
                         for n in names:
-                            self.versions.pulled[n] = self.cache.version(n)
+                            # what was read, not what the board holds by now
+                            self.versions.pulled[n] = self.cache.read_versions[n]
                             if self._rewritten:
                                 self._rewritten.pop(n, None)
                         return got

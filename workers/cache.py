@@ -498,6 +498,8 @@ class WeightCache:
         assert all(v >= 0 for v in self.stats.values()), self.stats
         assert all(0 <= p < self.P for p in self.down)
         assert self.joined.keys() <= self.layouts.keys(), "a read of a tensor not followed"
+        assert self.joined.keys() <= self.joined_versions.keys(), "a kept read with no version"
+        assert self.read_versions.keys() <= self.layouts.keys(), "a version of no tensor read"
 
 
 def _live_stamps(held: list) -> tuple | None:

@@ -276,6 +276,13 @@ class Board:
         np.copyto(self.data, block)
         self.seq[0] = s + 2
 
+    def step_in_place(self, step, grad: np.ndarray, lr) -> None:
+        """``step(weights, grad, lr)`` run on the block itself, as one write."""
+        s = int(self.seq[0])
+        self.seq[0] = s + 1
+        step(self.data, grad, lr)
+        self.seq[0] = s + 2
+
     def read(self, out: np.ndarray) -> int:
         """Copies the newest whole block into ``out``; returns its version (writes before it)."""
         while True:
@@ -288,7 +295,8 @@ class Board:
                 return before >> 1
 
 
-def _shm_shard(back: int, n: int, rings: list, board: str, slots: int) -> None:
+def _shm_shard(back: int, n: int, rings: list, board: str, slots: int,
+               in_place: bool = False) -> None:
     memory.keep_freed_memory()
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
@@ -300,24 +308,43 @@ def _shm_shard(back: int, n: int, rings: list, board: str, slots: int) -> None:
         return client, header.bytes
 
     shm_shard_loop(recv, lambda client, header: s.send_multipart([client, header]), n, rings,
-                   board, slots)
+                   board, slots, in_place)
 
 
-def shm_shard_loop(recv, send, n: int, rings: list, board: str, slots: int) -> None:
+def shm_shard_loop(recv, send, n: int, rings: list, board: str, slots: int,
+                   in_place: bool = False) -> None:
     """The shard's work, whatever carries its messages: ``recv()`` gives ``(route, header)``
-    for the next push, ``send(route, header)`` acks it."""
+    for the next push, ``send(route, header)`` acks it. ``in_place``: the weights live on the
+    board and each step is written there in one pass (numba's loop), readers retrying while
+    it writes; otherwise the step is numpy's two passes over private weights, then a copy onto
+    the board, as gradbus's shard does."""
     rings = [Ring(path, n, slots) for path in rings]
     out = Board(board, n)
     acc, w = np.empty(n, np.float32), np.zeros(n, np.float32)
     lr = np.asarray(-1e-6, np.float32)
     out.write(w)
+    step = _sgd_loop() if in_place else None
     while True:
         route, header = recv()
         worker, slot = SLOT.unpack(header)
-        np.multiply(rings[worker].slots[slot], lr, out=acc)    # the gradient, read in place
-        w += acc                                                # an SGD step: w -= lr * g
-        out.write(w)
+        if step is not None:
+            out.step_in_place(step, rings[worker].slots[slot], lr[()])
+        else:
+            np.multiply(rings[worker].slots[slot], lr, out=acc)    # the gradient, in place
+            w += acc                                                # an SGD step: w -= lr * g
+            out.write(w)
         send(route, b"ack")
+
+
+def _sgd_loop():
+    """``step(w, g, lr)``: ``w += g * lr`` in one pass, compiled (uncached: nothing written)."""
+    import numba
+
+    @numba.njit(nogil=True)
+    def step(w, g, lr):
+        for i in range(w.size):
+            w[i] += g[i] * lr
+    return step
 
 
 def _shm_worker(front: int, index: int, n: int, ring: str, board: str, slots: int,
@@ -379,14 +406,15 @@ def stop_processes(procs, grace: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS, depth: int = IN_FLIGHT,
-                 lat: list | None = None, transport: str = "zmq"):
+                 lat: list | None = None, transport: str = "zmq", in_place: bool = False):
     """The ``shm`` pipeline running: a broker, a shard and ``workers`` workers (spawned
     processes), each with at most ``depth`` pushes in flight; worker i adds one to
     ``counters[i]`` per push acked (and records its round trips in ``lat[i]``, a
     :class:`Samples`, when given) and stops when ``stop.value`` is set. ``transport``: ``zmq``
     (DEALER and ROUTER sockets over TCP) or ``link`` (gradbus's local links, bench/floor_link.py,
-    what gradbus's processes of one host use). Yields the processes; on leaving, every process
-    is reaped and every segment removed."""
+    what gradbus's processes of one host use). ``in_place``: the shard steps its weights on
+    the board (:func:`shm_shard_loop`). Yields the processes; on leaving, every process is
+    reaped and every segment removed."""
     ctx = mp.get_context("spawn")
     n, slots = nbytes // 4, ring_slots(nbytes)
     if transport == "zmq":
@@ -405,8 +433,8 @@ def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS, depth: int
             rings = [segs.make(f"ring{i}", Ring.size(n, slots)) for i in range(workers)]
             board = segs.make("board", Board.size(n))
             procs = [ctx.Process(target=broker[0], args=broker[1], daemon=True),
-                     ctx.Process(target=shard[0], args=(shard[1], n, rings, board, slots),
-                                 daemon=True)]
+                     ctx.Process(target=shard[0], daemon=True,
+                                 args=(shard[1], n, rings, board, slots, in_place))]
             procs += [ctx.Process(target=worker[0], daemon=True,
                                   args=(worker[1], i, n, rings[i], board, slots, counters, stop,
                                         depth, lat[i] if lat else None))

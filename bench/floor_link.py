@@ -99,7 +99,8 @@ def _drain(lnk: link.Link):
         yield frames
 
 
-def shard(name: str, n: int, rings: list, board: str, slots: int) -> None:
+def shard(name: str, n: int, rings: list, board: str, slots: int,
+          in_place: bool = False) -> None:
     memory.keep_freed_memory()
     lnk = _connect(name, link.SHARD, b"shard")
     poller = select.poll()
@@ -114,7 +115,7 @@ def shard(name: str, n: int, rings: list, board: str, slots: int) -> None:
 
     try:
         floor.shm_shard_loop(recv, lambda route, ack: lnk.send([route, ack]), n, rings, board,
-                             slots)
+                             slots, in_place)
     except link.LinkClosed:         # the broker ended: so does the pipeline
         pass
 

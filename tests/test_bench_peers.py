@@ -98,7 +98,8 @@ import floor
 ctx = mp.get_context("spawn")
 counters, stop = ctx.RawArray("q", 2), ctx.RawValue("b", 0)
 lat = [floor.Samples(ctx) for _ in range(2)]
-with floor.shm_pipeline(4 << 10, counters, stop, 2, 2, lat, sys.argv[2]) as procs:
+with floor.shm_pipeline(4 << 10, counters, stop, 2, 2, lat, sys.argv[2],
+                        sys.argv[4] == "in_place") as procs:
     deadline = time.monotonic() + float(sys.argv[3])
     while min(counters) < 50 and time.monotonic() < deadline:
         if any(p.exitcode is not None for p in procs):
@@ -111,12 +112,14 @@ print(json.dumps({"counts": counts, "pids": pids, "acks": acks, "fresh": fresh,
 """
 
 
-@pytest.mark.parametrize("transport", ["zmq", "link"])
-def test_floor_pipeline_acks_every_worker_over_either_transport_and_leaves_nothing(transport):
+@pytest.mark.parametrize("transport,step", [("zmq", "copy"), ("link", "copy"),
+                                            ("link", "in_place")])
+def test_floor_pipeline_acks_every_worker_over_either_transport_and_leaves_nothing(transport,
+                                                                                     step):
     import json
     before = _bench_segments()
     out = subprocess.run([sys.executable, "-c", _PIPELINE, os.path.join(ROOT, "bench"),
-                          transport, str(DEADLINE)], capture_output=True, text=True,
+                          transport, str(DEADLINE), step], capture_output=True, text=True,
                          timeout=DEADLINE + 60)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout)
@@ -136,3 +139,15 @@ def test_floor_pipeline_refuses_an_unknown_transport():
                                 "tcp"):
             pass
     assert _bench_segments() <= before
+
+
+def test_a_step_in_place_on_the_board_is_one_write_readers_see_whole():
+    n = 1 << 10
+    with floor.Segments() as segs:
+        board = floor.Board(segs.make("board", floor.Board.size(n)), n)
+        board.write(np.zeros(n, np.float32))
+        out = np.empty(n, np.float32)
+        assert board.read(out) == 1
+        step = floor._sgd_loop()
+        board.step_in_place(step, np.full(n, 2.0, np.float32), np.float32(-0.25))
+        assert board.read(out) == 2 and set(out) == {-0.5}

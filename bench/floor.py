@@ -296,7 +296,7 @@ class Board:
 
 
 def _shm_shard(back: int, n: int, rings: list, board: str, slots: int,
-               in_place: bool = False) -> None:
+               step: str = "numpy") -> None:
     memory.keep_freed_memory()
     ctx = zmq.Context()
     s = ctx.socket(zmq.DEALER)
@@ -308,30 +308,39 @@ def _shm_shard(back: int, n: int, rings: list, board: str, slots: int,
         return client, header.bytes
 
     shm_shard_loop(recv, lambda client, header: s.send_multipart([client, header]), n, rings,
-                   board, slots, in_place)
+                   board, slots, step)
+
+
+STEPS = ("numpy", "onepass", "inplace")
 
 
 def shm_shard_loop(recv, send, n: int, rings: list, board: str, slots: int,
-                   in_place: bool = False) -> None:
+                   step: str = "numpy") -> None:
     """The shard's work, whatever carries its messages: ``recv()`` gives ``(route, header)``
-    for the next push, ``send(route, header)`` acks it. ``in_place``: the weights live on the
-    board and each step is written there in one pass (numba's loop), readers retrying while
-    it writes; otherwise the step is numpy's two passes over private weights, then a copy onto
-    the board, as gradbus's shard does."""
+    for the next push, ``send(route, header)`` acks it. ``step``: ``numpy``, two numpy passes
+    over private weights, then a copy onto the board; ``onepass``, one pass (numba's loop, as
+    gradbus's shard steps), then the copy; ``inplace``, the weights live on the board and
+    each step is written there in one pass, readers retrying while it writes."""
+    if step not in STEPS:
+        raise ValueError(f"step must be one of {STEPS}, not {step!r}")
     rings = [Ring(path, n, slots) for path in rings]
     out = Board(board, n)
     acc, w = np.empty(n, np.float32), np.zeros(n, np.float32)
     lr = np.asarray(-1e-6, np.float32)
     out.write(w)
-    step = _sgd_loop() if in_place else None
+    loop = _sgd_loop() if step != "numpy" else None
     while True:
         route, header = recv()
         worker, slot = SLOT.unpack(header)
-        if step is not None:
-            out.step_in_place(step, rings[worker].slots[slot], lr[()])
+        grad = rings[worker].slots[slot]                        # the gradient, read in place
+        if step == "inplace":
+            out.step_in_place(loop, grad, lr[()])
         else:
-            np.multiply(rings[worker].slots[slot], lr, out=acc)    # the gradient, in place
-            w += acc                                                # an SGD step: w -= lr * g
+            if loop is not None:
+                loop(w, grad, lr[()])
+            else:
+                np.multiply(grad, lr, out=acc)
+                w += acc                                        # an SGD step: w -= lr * g
             out.write(w)
         send(route, b"ack")
 
@@ -406,15 +415,17 @@ def stop_processes(procs, grace: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS, depth: int = IN_FLIGHT,
-                 lat: list | None = None, transport: str = "zmq", in_place: bool = False):
+                 lat: list | None = None, transport: str = "zmq", step: str = "numpy"):
     """The ``shm`` pipeline running: a broker, a shard and ``workers`` workers (spawned
     processes), each with at most ``depth`` pushes in flight; worker i adds one to
     ``counters[i]`` per push acked (and records its round trips in ``lat[i]``, a
     :class:`Samples`, when given) and stops when ``stop.value`` is set. ``transport``: ``zmq``
     (DEALER and ROUTER sockets over TCP) or ``link`` (gradbus's local links, bench/floor_link.py,
-    what gradbus's processes of one host use). ``in_place``: the shard steps its weights on
-    the board (:func:`shm_shard_loop`). Yields the processes; on leaving, every process is
+    what gradbus's processes of one host use). ``step``: how the shard steps its weights
+    (:func:`shm_shard_loop`). Yields the processes; on leaving, every process is
     reaped and every segment removed."""
+    if step not in STEPS:
+        raise ValueError(f"step must be one of {STEPS}, not {step!r}")
     ctx = mp.get_context("spawn")
     n, slots = nbytes // 4, ring_slots(nbytes)
     if transport == "zmq":
@@ -434,7 +445,7 @@ def shm_pipeline(nbytes: int, counters, stop, workers: int = WORKERS, depth: int
             board = segs.make("board", Board.size(n))
             procs = [ctx.Process(target=broker[0], args=broker[1], daemon=True),
                      ctx.Process(target=shard[0], daemon=True,
-                                 args=(shard[1], n, rings, board, slots, in_place))]
+                                 args=(shard[1], n, rings, board, slots, step))]
             procs += [ctx.Process(target=worker[0], daemon=True,
                                   args=(worker[1], i, n, rings[i], board, slots, counters, stop,
                                         depth, lat[i] if lat else None))

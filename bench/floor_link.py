@@ -100,7 +100,7 @@ def _drain(lnk: link.Link):
 
 
 def shard(name: str, n: int, rings: list, board: str, slots: int,
-          in_place: bool = False) -> None:
+          step: str = "numpy") -> None:
     memory.keep_freed_memory()
     lnk = _connect(name, link.SHARD, b"shard")
     poller = select.poll()
@@ -115,7 +115,7 @@ def shard(name: str, n: int, rings: list, board: str, slots: int,
 
     try:
         floor.shm_shard_loop(recv, lambda route, ack: lnk.send([route, ack]), n, rings, board,
-                             slots, in_place)
+                             slots, step)
     except link.LinkClosed:         # the broker ended: so does the pipeline
         pass
 

@@ -23,6 +23,8 @@ sends the next:
     floor_link            the same pipeline over gradbus's local links (bench/floor_link.py):
                           Unix stream sockets written and read by the processes' own threads,
                           the transport gradbus's processes of one host use
+    floor_onepass         ``floor_link`` with the shard's step in one pass (numba), as gradbus's
+                          shard steps, then the copy onto the board (not run by default)
     floor_inplace         ``floor_link`` with the shard's weights on its board, each step written
                           there in one pass (not run by default): what a shard that steps onto
                           its board instead of copying its weights there would do
@@ -84,7 +86,7 @@ import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
 CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
-           "floor_link", "floor_inplace")
+           "floor_link", "floor_onepass", "floor_inplace")
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
                    "floor_link")
 REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")
@@ -297,9 +299,9 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
 
 
 @contextlib.contextmanager
-def _floor(run: dict, counters, stop, lat, transport: str, in_place: bool = False):
+def _floor(run: dict, counters, stop, lat, transport: str, step: str = "numpy"):
     with floor.shm_pipeline(run["bytes"], counters, stop, run["workers"], run["depth"],
-                            lat, transport, in_place) as procs:
+                            lat, transport, step) as procs:
         yield lambda: all(p.exitcode is None for p in procs)
 
 
@@ -311,9 +313,10 @@ def start(config: str, run: dict, counters, stop, lat):
     if config in ("gradbus_shm", "gradbus_worker_noshm"):
         return gradbus_config(run, counters, stop, lat,
                               "1" if config == "gradbus_shm" else "0")
-    if config in ("floor_shm", "floor_link", "floor_inplace"):
-        return _floor(run, counters, stop, lat, "zmq" if config == "floor_shm" else "link",
-                      config == "floor_inplace")
+    if config.startswith("floor_"):
+        kind = config[len("floor_"):]
+        return _floor(run, counters, stop, lat, "zmq" if kind == "shm" else "link",
+                      kind if kind in floor.STEPS else "numpy")
     raise ValueError(f"unknown configuration {config!r}")
 
 

@@ -99,7 +99,7 @@ ctx = mp.get_context("spawn")
 counters, stop = ctx.RawArray("q", 2), ctx.RawValue("b", 0)
 lat = [floor.Samples(ctx) for _ in range(2)]
 with floor.shm_pipeline(4 << 10, counters, stop, 2, 2, lat, sys.argv[2],
-                        sys.argv[4] == "in_place") as procs:
+                        sys.argv[4]) as procs:
     deadline = time.monotonic() + float(sys.argv[3])
     while min(counters) < 50 and time.monotonic() < deadline:
         if any(p.exitcode is not None for p in procs):
@@ -112,8 +112,8 @@ print(json.dumps({"counts": counts, "pids": pids, "acks": acks, "fresh": fresh,
 """
 
 
-@pytest.mark.parametrize("transport,step", [("zmq", "copy"), ("link", "copy"),
-                                            ("link", "in_place")])
+@pytest.mark.parametrize("transport,step", [("zmq", "numpy"), ("link", "numpy"),
+                                            ("link", "onepass"), ("link", "inplace")])
 def test_floor_pipeline_acks_every_worker_over_either_transport_and_leaves_nothing(transport,
                                                                                      step):
     import json
@@ -137,6 +137,10 @@ def test_floor_pipeline_refuses_an_unknown_transport():
     with pytest.raises(ValueError, match="transport"):
         with floor.shm_pipeline(4 << 10, [0], types.SimpleNamespace(value=0), 1, 1, None,
                                 "tcp"):
+            pass
+    with pytest.raises(ValueError, match="step"):
+        with floor.shm_pipeline(4 << 10, [0], types.SimpleNamespace(value=0), 1, 1, None,
+                                "link", "twice"):
             pass
     assert _bench_segments() <= before
 

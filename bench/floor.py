@@ -328,19 +328,19 @@ def shm_shard_loop(recv, send, n: int, rings: list, board: str, slots: int,
     acc, w = np.empty(n, np.float32), np.zeros(n, np.float32)
     lr = np.asarray(-1e-6, np.float32)
     out.write(w)
-    loop = _sgd_loop() if step != "numpy" else None
+    loop, rate = (_sgd_loop() if step != "numpy" else None), lr[()]
     while True:
         route, header = recv()
         worker, slot = SLOT.unpack(header)
         grad = rings[worker].slots[slot]                        # the gradient, read in place
         if step == "inplace":
-            out.step_in_place(loop, grad, lr[()])
+            out.step_in_place(loop, grad, rate)
+        elif step == "onepass":
+            loop(w, grad, rate)
+            out.write(w)
         else:
-            if loop is not None:
-                loop(w, grad, lr[()])
-            else:
-                np.multiply(grad, lr, out=acc)
-                w += acc                                        # an SGD step: w -= lr * g
+            np.multiply(grad, lr, out=acc)
+            w += acc                                            # an SGD step: w -= lr * g
             out.write(w)
         send(route, b"ack")
 

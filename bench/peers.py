@@ -90,6 +90,9 @@ CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm",
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
                    "floor_link")
 REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")
+# the floors: configuration -> (transport, the shard's step) of bench/floor.py's shm pipeline
+FLOORS = {"floor_shm": ("zmq", "numpy"), "floor_link": ("link", "numpy"),
+          "floor_onepass": ("link", "onepass"), "floor_inplace": ("link", "inplace")}
 READY_TIMEOUT = 120.0
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -313,10 +316,8 @@ def start(config: str, run: dict, counters, stop, lat):
     if config in ("gradbus_shm", "gradbus_worker_noshm"):
         return gradbus_config(run, counters, stop, lat,
                               "1" if config == "gradbus_shm" else "0")
-    if config.startswith("floor_"):
-        kind = config[len("floor_"):]
-        return _floor(run, counters, stop, lat, "zmq" if kind == "shm" else "link",
-                      kind if kind in floor.STEPS else "numpy")
+    if config in FLOORS:
+        return _floor(run, counters, stop, lat, *FLOORS[config])
     raise ValueError(f"unknown configuration {config!r}")
 
 

@@ -214,7 +214,8 @@ class Board:
         self.cluster = cluster
         self.segment_bytes = segment_bytes
         self.arenas: list[_Arena] = []
-        # key -> [arena, offset, capacity, next version slot, the block's version written last]
+        # key -> [arena, offset, capacity, next version slot, the block's version written last,
+        #         the byte count of the version begun last]
         self.slots: dict[str, list] = {}
         # stamps count up from a random 56-bit start: bytes written where a given-up slot's
         # stamp was (its partition moved) equal a stamp a reader still holds in a ref only by
@@ -254,36 +255,66 @@ class Board:
             off = arena.alloc(need) if arena is not None else None
             if off is None:
                 return None
-        slot = self.slots[key] = [arena, off, cap, 0, -1]
+        slot = self.slots[key] = [arena, off, cap, 0, -1, 0]
         return slot
 
     def write(self, key: str, buf, version: int = 0, seq: int = 0) -> list | None:
         """Publish ``buf`` as the block's next version (``version``: gradients applied to it,
         ``seq``: its partition's seq); its ref ``[segment, offset, stamp]``, or None (publish
         it as a frame) when the board has no room."""
+        src = memoryview(buf).cast("B")
+        dst = self.begin(key, src.nbytes)
+        if dst is None:
+            return None
+        dst[:] = src
+        return self.commit(key, version, seq)
+
+    def begin(self, key: str, n: int) -> memoryview | None:
+        """The place of the block's next version, ``n`` bytes, to be written there (by a step
+        that reads the newest version, :meth:`newest`, and writes this one) and then published
+        with :meth:`commit`. From now until then readers skip that version, and a reader one
+        publish behind that was reading it reads again. Left uncommitted (the writer gave up)
+        the block keeps its newest version. None when the board has no room."""
         if not ORDERED_STORES:
             return None
-        src = memoryview(buf).cast("B")
-        n = src.nbytes
         slot = self._slot(key, n)
         if slot is None:
             self.stats["shm_board_full"] += 1
             return None
-        arena, off, cap, nxt, _ = slot
+        arena, off, cap, nxt = slot[0], slot[1], slot[2], slot[3]
+        word = off + nxt * (cap + ALIGN)
+        arena.seg.words[word >> 3] = _WRITING
+        slot[5] = n
+        return arena.seg.view[word + ALIGN:word + ALIGN + n]
+
+    def commit(self, key: str, version: int, seq: int) -> list:
+        """Publish the version :meth:`begin` opened (its bytes written) as the block's newest;
+        its ref ``[segment, offset, stamp]``."""
+        slot = self.slots[key]
+        arena, off, cap, nxt, n = slot[0], slot[1], slot[2], slot[3], slot[5]
         slot[3] = nxt ^ 1
         slot[4] = version
         word = off + nxt * (cap + ALIGN)
-        data = word + ALIGN
         self.stamp += 1
-        view = arena.seg.view
         head = arena.seg.words[word >> 3:(word >> 3) + 4]   # aligned 8-byte stores each
-        head[0] = _WRITING
-        view[data:data + n] = src
         head[1] = version
         head[2] = seq
         head[3] = n
         head[0] = self.stamp
-        return [arena.seg.name, data, self.stamp]
+        return [arena.seg.name, word + ALIGN, self.stamp]
+
+    def newest(self, key: str) -> tuple[memoryview, list] | None:
+        """The bytes of the block's newest version here and its ref ``[segment, offset,
+        stamp]``; None when it has none. The view stays whole until the block's second
+        :meth:`begin` from now (the first writes the other version)."""
+        slot = self.slots.get(key)
+        if slot is None or slot[4] < 0:
+            return None
+        arena, off, cap = slot[0], slot[1], slot[2]
+        word = (off + (slot[3] ^ 1) * (cap + ALIGN)) >> 3
+        stamp, n = (int(v) for v in arena.seg.words[[word, word + 3]])
+        data = (word << 3) + ALIGN
+        return arena.seg.view[data:data + n], [arena.seg.name, data, stamp]
 
     def holds(self, key: str, version: int) -> bool:
         """Whether the block's newest version here is ``version``."""

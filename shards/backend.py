@@ -12,7 +12,9 @@ cupy when it imports and sees a device, else numpy). Every backend has the same 
   from ``g``, the *sum* of ``k`` gradients, applied as ``k`` steps of their mean in closed form
   (the semantics are stated in ``shards/optim.py``; the coefficients are computed here, once,
   for every backend); where ``sums_in_step`` (CuPy), ``g`` may be a list of up to
-  ``SUM_GROUP`` gradients, summed in list order inside the step's own kernel;
+  ``SUM_GROUP`` gradients, summed in list order inside the step's own kernel; where
+  ``steps_out`` (numpy), a step also takes ``out``: the stepped values are written there and
+  ``w`` is left as it is (a primary steps a block straight into its weights board);
 * ``scatter_add(dense, indices, values)``: ``dense[indices] += values``, duplicates accumulating.
 
 Arrays are flat (1-D), of one dtype. The numpy backend walks them in chunks of ``chunk_bytes``
@@ -97,6 +99,7 @@ class NumpyBackend:
 
     name = "numpy"
     sums_in_step = False      # steps take one gradient: a batch is summed first (sum_into)
+    steps_out = True          # steps take ``out`` (see the module's docstring)
     xp = np
 
     def __init__(self, jit: bool | None = None, chunk_bytes: int = CHUNK_BYTES):
@@ -153,26 +156,29 @@ class NumpyBackend:
                 o += g[sl]
         return out
 
-    def sgd_step(self, w, g, lr: float, scratch=None) -> None:
-        """``w -= lr * g``."""
-        if self._fusable(w, g):
-            self.fused["sgd"](w, g, w.dtype.type(lr))
+    def sgd_step(self, w, g, lr: float, scratch=None, out=None) -> None:
+        """``w -= lr * g``; with ``out``, ``out = w - lr * g`` (``w`` left as it is)."""
+        out = w if out is None else out
+        if self._fusable(w, g, out):
+            self.fused["sgd"](w, g, out, w.dtype.type(lr))
             return
         lr = np.array(lr, w.dtype)             # 0-d constants: the cheapest ufunc operand
         for sl, t in self._chunks(w.size, w.dtype, scratch):
             np.multiply(g[sl], lr, out=t)
-            w[sl] -= t
+            np.subtract(w[sl], t, out=out[sl])
 
-    def momentum_step(self, w, g, v, k: int, lr: float, mu: float, scratch=None) -> None:
+    def momentum_step(self, w, g, v, k: int, lr: float, mu: float, scratch=None,
+                      out=None) -> None:
+        out = w if out is None else out
         coefs = momentum_coefs(k, lr, mu)
-        if self._fusable(w, g, v):
-            self.fused["momentum"](w, g, v, *map(w.dtype.type, coefs))
+        if self._fusable(w, g, out, v):
+            self.fused["momentum"](w, g, out, v, *map(w.dtype.type, coefs))
             return
         a, b, c, d = (np.array(x, w.dtype) for x in coefs)
         for sl, t in self._chunks(w.size, w.dtype, scratch):
-            ww, gg, vv = w[sl], g[sl], v[sl]
+            ww, gg, vv = out[sl], g[sl], v[sl]
             np.multiply(vv, a, out=t)
-            ww -= t
+            np.subtract(w[sl], t, out=ww)
             np.multiply(gg, b, out=t)
             ww -= t
             vv *= c
@@ -180,11 +186,12 @@ class NumpyBackend:
             vv += t
 
     def adam_step(self, w, g, m, v, k: int, t: int, lr: float, b1: float, b2: float,
-                  eps: float, scratch=None) -> None:
+                  eps: float, scratch=None, out=None) -> None:
         """``t``: the step count after this batch."""
+        out = w if out is None else out
         coefs = adam_coefs(k, t, lr, b1, b2, eps)
-        if self._fusable(w, g, m, v):
-            self.fused["adam"](w, g, m, v, *map(w.dtype.type, coefs))
+        if self._fusable(w, g, out, m, v):
+            self.fused["adam"](w, g, out, m, v, *map(w.dtype.type, coefs))
             return
         b1k, c1, b2k, c2, eps_t, lr_t = (np.array(x, w.dtype) for x in coefs)
         for sl, s in self._chunks(w.size, w.dtype, scratch):
@@ -200,12 +207,14 @@ class NumpyBackend:
             s += eps_t
             np.divide(mm, s, out=s)
             s *= lr_t
-            w[sl] -= s
+            np.subtract(w[sl], s, out=out[sl])
 
-    def adagrad_step(self, w, g, h, k: int, lr: float, eps: float, scratch=None) -> None:
+    def adagrad_step(self, w, g, h, k: int, lr: float, eps: float, scratch=None,
+                     out=None) -> None:
+        out = w if out is None else out
         coefs = (*adagrad_coefs(k), eps, lr)
-        if self._fusable(w, g, h):
-            self.fused["adagrad"](w, g, h, *map(w.dtype.type, coefs))
+        if self._fusable(w, g, out, h):
+            self.fused["adagrad"](w, g, out, h, *map(w.dtype.type, coefs))
             return
         ia, ik, eps, lr = (np.array(x, w.dtype) for x in coefs)
         for sl, t in self._chunks(w.size, w.dtype, scratch):
@@ -221,7 +230,7 @@ class NumpyBackend:
             t += eps
             np.divide(gg, t, out=t)
             t *= lr
-            w[sl] -= t
+            np.subtract(w[sl], t, out=out[sl])
             if k > 1:
                 np.multiply(gg, gg, out=t)
                 t *= ik
@@ -240,34 +249,35 @@ class NumpyBackend:
 
 # The numba loops: the numpy path's expressions, element by element. Plain functions here (so
 # numba can cache them by file), compiled by _numba_loops().
-def _sgd_loop(w, g, lr):
+# Each writes the stepped values to ``out`` (``w`` itself for a step in place).
+def _sgd_loop(w, g, out, lr):
     for i in range(w.size):
-        w[i] -= g[i] * lr
+        out[i] = w[i] - g[i] * lr
 
 
-def _momentum_loop(w, g, v, a, b, c, d):
+def _momentum_loop(w, g, out, v, a, b, c, d):
     for i in range(w.size):
         vi, gi = v[i], g[i]
-        w[i] = (w[i] - vi * a) - gi * b
+        out[i] = (w[i] - vi * a) - gi * b
         v[i] = vi * c + gi * d
 
 
-def _adam_loop(w, g, m, v, b1k, c1, b2k, c2, eps, lr):
+def _adam_loop(w, g, out, m, v, b1k, c1, b2k, c2, eps, lr):
     for i in range(w.size):
         gi = g[i]
         mi = m[i] * b1k + gi * c1
         vi = v[i] * b2k + (gi * gi) * c2
         m[i] = mi
         v[i] = vi
-        w[i] -= (mi / (np.sqrt(vi) + eps)) * lr
+        out[i] = w[i] - (mi / (np.sqrt(vi) + eps)) * lr
 
 
-def _adagrad_loop(w, g, h, ia, ik, eps, lr):
+def _adagrad_loop(w, g, out, h, ia, ik, eps, lr):
     for i in range(w.size):
         gi, hi = g[i], h[i]
         gg = gi * gi
         h[i] = hi + gg * ik
-        w[i] -= (gi / (np.sqrt(gg * ia + hi) + eps)) * lr
+        out[i] = w[i] - (gi / (np.sqrt(gg * ia + hi) + eps)) * lr
 
 
 _JIT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -290,7 +300,7 @@ def _numba_loops() -> dict | None:
 def _compile_loops(numba, types) -> dict:
     def signature(dt, n_state, n_scalars):
         arr = types.Array(dt, 1, "C")
-        return types.void(arr, types.Array(dt, 1, "C", readonly=True), *[arr] * n_state,
+        return types.void(arr, types.Array(dt, 1, "C", readonly=True), arr, *[arr] * n_state,
                           *[dt] * n_scalars)
 
     return {name: numba.njit([signature(dt, n_state, n_scalars)

@@ -1,8 +1,10 @@
-"""Optimizers: the rules the shard applies to each block. Every step updates in place.
+"""Optimizers: the rules the shard applies to each block.
 
 Each rule is a class with ``state(n, dtype)`` (the per-block state arrays) and
-``step(w, g, k, state, scratch)``: ``g`` is the *sum* of a batch of ``k`` gradients for the flat
-block ``w``, and ``scratch`` a caller-owned buffer of ``w``'s size, so a step allocates nothing.
+``step(w, g, k, state, scratch, out=None)``: ``g`` is the *sum* of a batch of ``k`` gradients for
+the flat block ``w``, and ``scratch`` a caller-owned buffer of ``w``'s size, so a step allocates
+nothing. With ``out`` (where the backend ``steps_out``) the stepped values go there and ``w`` is
+left as it is; the optimizer state is updated in place either way.
 
 A batch of ``k`` gradients is applied as ``k`` steps of their mean, in one pass: the optimizer
 state advances in closed form by ``k`` steps (Adam's ``t += k``, ``m = b1^k m + (1-b1^k) mean``,
@@ -24,6 +26,12 @@ from .backend import NumpyBackend
 CPU = NumpyBackend(jit=False)
 
 
+def _to(out) -> dict:
+    """``out`` for a backend's step only when given: a backend that steps in place only (CuPy)
+    takes no such argument."""
+    return {} if out is None else {"out": out}
+
+
 class SGDRule:
     def __init__(self, spec: specs.SGD, backend=CPU):
         self.lr, self.momentum, self.be = spec.lr, spec.momentum, backend
@@ -31,11 +39,11 @@ class SGDRule:
     def state(self, n: int, dtype) -> dict:
         return {"v": self.be.xp.zeros(n, dtype)} if self.momentum else {}
 
-    def step(self, w, g, k: int, st: dict, scratch) -> None:
+    def step(self, w, g, k: int, st: dict, scratch, out=None) -> None:
         if self.momentum:
-            self.be.momentum_step(w, g, st["v"], k, self.lr, self.momentum, scratch)
+            self.be.momentum_step(w, g, st["v"], k, self.lr, self.momentum, scratch, **_to(out))
         else:
-            self.be.sgd_step(w, g, self.lr, scratch)
+            self.be.sgd_step(w, g, self.lr, scratch, **_to(out))
 
 
 class AdamRule:
@@ -45,10 +53,10 @@ class AdamRule:
     def state(self, n: int, dtype) -> dict:
         return {"m": self.be.xp.zeros(n, dtype), "v": self.be.xp.zeros(n, dtype), "t": 0}
 
-    def step(self, w, g, k: int, st: dict, scratch) -> None:
+    def step(self, w, g, k: int, st: dict, scratch, out=None) -> None:
         st["t"] += k
         self.be.adam_step(w, g, st["m"], st["v"], k, st["t"], self.lr, self.b1, self.b2,
-                          self.eps, scratch)
+                          self.eps, scratch, **_to(out))
 
 
 class AdagradRule:
@@ -58,8 +66,8 @@ class AdagradRule:
     def state(self, n: int, dtype) -> dict:
         return {"h": self.be.xp.zeros(n, dtype)}
 
-    def step(self, w, g, k: int, st: dict, scratch) -> None:
-        self.be.adagrad_step(w, g, st["h"], k, self.lr, self.eps, scratch)
+    def step(self, w, g, k: int, st: dict, scratch, out=None) -> None:
+        self.be.adagrad_step(w, g, st["h"], k, self.lr, self.eps, scratch, **_to(out))
 
 
 def make_rule(spec: specs.Optimizer, backend=CPU):

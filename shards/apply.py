@@ -52,6 +52,7 @@ class _Work:
     """One part's entries on their way to the optimizer."""
     p: int
     pst: PartitionState
+    publish: bool             # this shard publishes the part: its steps may go onto the board
     errors: list = field(default_factory=list)
     changed: dict = field(default_factory=dict)
     # key -> [(indices or None, values, gradients summed, pushes)], in batch order
@@ -103,7 +104,7 @@ class Applier:
             # Re-delivery of a batch already applied: apply nothing, report success again.
             return PartApplied(p, seq, epoch, [], {}, {}, duplicate=True, publish=publish)
         pst.seq, pst.epoch = seq, max(epoch, pst.epoch)
-        work = _Work(p, pst)
+        work = _Work(p, pst, publish)
         for idx, ent in enumerate(part.e):
             self._entry(idx, ent, descs, frames, work)
         for key, items in work.streams.items():
@@ -155,10 +156,11 @@ class Applier:
         blk = self.store.blocks.get(desc.key)
         if blk is None:
             raise WireError(Code.UNKNOWN_KEY, f"{desc.key} is not held here")
-        if desc.shape != (blk.value.size,) or np.dtype(desc.dtype) != blk.value.dtype:
+        held = blk.held                      # its size and dtype (not its values)
+        if desc.shape != (held.size,) or np.dtype(desc.dtype) != held.dtype:
             raise WireError(Code.BAD_SHAPE,
                             f"{desc.key}: gradient {desc.dtype}{list(desc.shape)} does "
-                            f"not match {blk.value.dtype}[{blk.value.size}]")
+                            f"not match {held.dtype}[{held.size}]")
         stream = (wire.stream_tensor(desc, frame, self.max_tensor_bytes)
                   if self._on_host else None)
         if stream is not None:    # summed by _sum_streams, in one pass with its checksum
@@ -232,7 +234,7 @@ class Applier:
         and summing apart take three. The accumulator, or None when a frame's checksum does
         not match or (nan_policy refuse) the sum is not finite."""
         streams = [item[4] for item in fresh]
-        acc = self._acc_for(key, self.store.blocks[key].value)
+        acc = self._acc_for(key, self.store.blocks[key].held)
         n, dt = acc.size, acc.dtype
         step = self.backend.chunk_len(dt)
         scratch = self._scratch_for(2 * min(step, n), dt)
@@ -268,9 +270,10 @@ class Applier:
             applied += n
             blk = self.store.blocks[key]
             k = sum(c for _, _, c, _ in grads)   # gradients summed, local steps included
-            blk.rule.step(blk.value, self._summed(key, blk.value, grads), k, blk.state,
-                          self._scratch_for(blk.value.size, blk.value.dtype))
-            blk.version += k
+            held = blk.held                      # its size and dtype (not its values)
+            self.store.step(blk, self._summed(key, held, grads), k,
+                            self._scratch_for(held.size, held.dtype), work.pst.seq,
+                            work.publish)
             work.changed[key] = blk
         return applied
 

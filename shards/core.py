@@ -191,9 +191,12 @@ class ShardCore:
             if blk.key != key or blk.p != owner[key]:
                 raise AssertionError(f"{key}: block {blk.key} of partition {blk.p} stored as "
                                      f"{key} of partition {owner[key]}")
-            if blk.value.shape != (b - a,) or blk.value.dtype != np.dtype(blk.layout.dtype):
-                raise AssertionError(f"{key}: values {blk.value.dtype}{blk.value.shape}, layout "
+            held = blk.held      # read without settling: a live block stays live
+            if held.shape != (b - a,) or held.dtype != np.dtype(blk.layout.dtype):
+                raise AssertionError(f"{key}: values {held.dtype}{held.shape}, layout "
                                      f"{blk.layout.dtype}[{b - a}]")
+            if blk.live is not None:
+                self._check_live(blk, held)
             if not isinstance(blk.version, int) or blk.version < 0:
                 raise AssertionError(f"{key}: version {blk.version!r}")
         for key, tbl in st.tables.items():
@@ -207,6 +210,18 @@ class ShardCore:
         self.applier.validate()
         self.publisher.validate()
         self.replication.validate()
+
+    def _check_live(self, blk, held) -> None:
+        """A block whose values live on the board: the store's board holds its version, and
+        its values are that version's bytes there."""
+        board = self.store.board
+        if board is None or not board.holds(blk.key, blk.version):
+            raise AssertionError(f"{blk.key}: values live on a board that does not hold "
+                                 f"version {blk.version}")
+        view = np.frombuffer(board.newest(blk.key)[0], held.dtype)
+        if (blk.live.shape != held.shape or blk.live.dtype != held.dtype
+                or blk.live.ctypes.data != view.ctypes.data):
+            raise AssertionError(f"{blk.key}: live values are not the board's newest version")
 
     # -- introspection -----------------------------------------------------------------------
     def info(self) -> dict:

@@ -35,8 +35,20 @@ class Publisher:
         self.store = store
         self.backend = backend
         self.stats = counters          # the shard's counters (shared with the other parts)
-        self.board = None              # a shm.Board to publish blocks into (the loop sets it)
+        self._board = None             # a shm.Board to publish blocks into (the loop sets it)
         self.replies = None            # a shm.ReplyArea for replies to readers of shared memory
+
+    @property
+    def board(self):
+        return self._board
+
+    @board.setter
+    def board(self, board) -> None:
+        """Publish blocks into ``board`` (None: as frames only). With raw weights a step may
+        write a block straight into it (:meth:`ParameterStore.step`); a delta chain needs every
+        block's values in hand to publish its change."""
+        self._board = board
+        self.store.use_board(None if self.delta else board)
 
     # -- after a batch -------------------------------------------------------------------------
     def result(self, done: PartApplied) -> tuple[dict, list]:
@@ -57,11 +69,16 @@ class Publisher:
         descs, bufs = [], []
         board, raw = self.board, self.weights_chain == "raw" and not self.delta
         for blk in done.changed.values():
-            host = self.backend.to_host(blk.value)
             # the board always holds the raw weights: readers on this host read the newest
-            # whenever they read (a copy into the board, not into a frame)
-            ref = board.write(blk.key, host, blk.version, done.seq) if board is not None \
-                else None
+            # whenever they read (a copy into the board, not into a frame, unless the step
+            # wrote them there itself)
+            if board is not None and blk.live is not None and board.holds(blk.key,
+                                                                          blk.version):
+                host, ref = blk.live, board.newest(blk.key)[1]
+            else:
+                host = self.backend.to_host(blk.value)
+                ref = board.write(blk.key, host, blk.version, done.seq) if board is not None \
+                    else None
             if self.delta:
                 d, buf = self._encode_delta(blk, done.seq)
             elif ref is not None and raw:
@@ -120,8 +137,8 @@ class Publisher:
                                             blk.published, "raw", blk.version, hashed=frames)
                 d["base"] = blk.pub_seq
             else:
-                value = host_copy(self.backend, blk.value) if frames else \
-                    self.backend.to_host(blk.value)
+                value = host_copy(self.backend, blk.newest) if frames else \
+                    self.backend.to_host(blk.newest)
                 d, buf = wire.encode_tensor(key, value, "raw", blk.version, hashed=frames)
             if live is not None:
                 d["b"] = live

@@ -92,7 +92,7 @@ class Replication:
             scalars = {k: v for k, v in blk.state.items() if isinstance(v, (int, float))}
             metas.append({"key": key, "layout": blk.layout.to_wire(), "opt": blk.opt,
                           "version": blk.version, "arrays": arrays, "scalars": scalars})
-            for _name, arr in [("", blk.value)] + [(a, blk.state[a]) for a in arrays]:
+            for _name, arr in [("", blk.newest)] + [(a, blk.state[a]) for a in arrays]:
                 host = host_copy(self.backend, arr) if frames else self.backend.to_host(arr)
                 d, buf = wire.encode_tensor(key, host, "raw", hashed=frames)
                 descs.append(d)
@@ -182,7 +182,7 @@ class Replication:
             blk = self.store.blocks[key]
             hsh.update(key.encode())
             hsh.update(blk.version.to_bytes(8, "little"))
-            hsh.update(self.backend.to_host(blk.value).tobytes())
+            hsh.update(self.backend.to_host(blk.newest).tobytes())
             for name in sorted(blk.state):
                 v = blk.state[name]
                 hsh.update(name.encode())

@@ -1,6 +1,7 @@
 """The parameter store: flat blocks of dense tensors, their optimizer state and versions."""
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -13,14 +14,21 @@ from .optim import CPU, make_rule
 from .rows import RowPool, RowTable
 
 RECENT_WINDOW = 8192     # gradient identities remembered per partition
+#: ``GRADBUS_BOARD_STEP=0``: a primary steps its blocks in place and copies them onto its
+#: weights board after each step, instead of stepping them straight into it
+BOARD_STEP_ENV = "GRADBUS_BOARD_STEP"
 
 
 @dataclass
 class Block:
+    """A block's values are ``held`` (owned memory), or, after a primary's step wrote them
+    straight into its weights board (:meth:`ParameterStore.step`), ``live`` (the
+    board's newest version): ``value`` gives the newest either way, copying them back into
+    ``held`` first when they are live."""
     key: str
     layout: TensorLayout
     index: int
-    value: np.ndarray            # flat, owned, writable
+    held: np.ndarray             # flat, owned, writable
     rule: object
     state: dict
     version: int = 0             # gradients applied (pushes), 0 after init
@@ -28,10 +36,34 @@ class Block:
     published: np.ndarray | None = None  # delta weights: what subscribers hold (host memory)
     pub_seq: int | None = None           # ... as of the partition seq of that publish
     opt: dict | None = None              # the optimizer's wire form (for replication)
+    live: np.ndarray | None = None       # the newest values, on the board, when not in held
+
+    @property
+    def value(self) -> np.ndarray:
+        """The newest values, owned and writable (in place: the next step starts from them)."""
+        if self.live is not None:
+            self.settle()
+        return self.held
+
+    @value.setter
+    def value(self, values: np.ndarray) -> None:
+        self.held, self.live = values, None
+
+    @property
+    def newest(self) -> np.ndarray:
+        """The newest values, to read at once: not to write, and not to keep (a live view is
+        written over by the step after next)."""
+        return self.held if self.live is None else self.live
+
+    def settle(self) -> None:
+        """The newest values back into ``held`` (when they are live on the board)."""
+        if self.live is not None:
+            np.copyto(self.held, self.live)
+            self.live = None
 
     @property
     def nbytes(self) -> int:
-        return self.value.nbytes
+        return self.held.nbytes
 
 
 def initial_values(layout: TensorLayout, index: int, rule: dict, given=None) -> np.ndarray:
@@ -87,6 +119,44 @@ class ParameterStore:
         self.tables: dict[str, RowTable] = {}     # row key -> that partition's rows
         self.pools: dict[str, RowPool] = {}       # table name -> the storage of its rows here
         self.partitions: dict[int, PartitionState] = {}
+        # a primary's weights board (codecs.shm.Board), where a step may write a block's
+        # values straight into the block's next version (the publisher sets it)
+        self.board = None
+        self.board_steps = (getattr(backend, "steps_out", False)
+                            and os.environ.get(BOARD_STEP_ENV, "1") != "0")
+
+    def use_board(self, board) -> None:
+        """Let steps write primaries' blocks straight into ``board`` (None: never; also never
+        where the backend cannot step out of place, or ``GRADBUS_BOARD_STEP=0``). Values live
+        on a board being left are settled first."""
+        board = board if self.board_steps else None
+        if board is not self.board:
+            self.settle()
+        self.board = board
+
+    def settle(self) -> None:
+        """Every block's values back into the memory it owns."""
+        for blk in self.blocks.values():
+            blk.settle()
+
+    def step(self, blk: Block, g, k: int, scratch, seq: int, onto_board: bool) -> None:
+        """One optimizer step of ``blk`` on ``g`` (the sum of ``k`` gradients). With
+        ``onto_board`` (the block's partition is this shard's to publish) and a board with
+        room, the step reads the newest values and writes the stepped ones straight into the
+        board's next version of the block, published there at ``seq``: no copy onto the board
+        after the step, and the block's ``held`` values stay as they were until someone asks
+        for ``value``. Otherwise it steps ``value`` in place."""
+        board = self.board if onto_board else None
+        dst = board.begin(blk.key, blk.held.nbytes) if board is not None else None
+        if dst is None:
+            blk.rule.step(blk.value, g, k, blk.state, scratch)
+            blk.version += k
+            return
+        out = np.frombuffer(dst, blk.held.dtype)
+        blk.rule.step(blk.held if blk.live is None else blk.live, g, k, blk.state, scratch, out)
+        blk.version += k
+        board.commit(blk.key, blk.version, seq)
+        blk.live = out
 
     def partition(self, p: int) -> PartitionState:
         st = self.partitions.get(p)

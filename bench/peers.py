@@ -17,6 +17,9 @@ sends the next:
                           oldest's ACK, then ``pull(["w"], min_version=ack["ver"])``: weights
                           that include the push
     gradbus_worker_noshm  the same with GRADBUS_SHM=0 in the workers (workers on other hosts)
+    gradbus_shm_copy      ``gradbus_shm`` with GRADBUS_BOARD_STEP=0: the shard steps its weights
+                          in place, then copies them onto its board, where ``gradbus_shm`` steps
+                          them straight into the board (not run by default)
     floor_shm             bench/floor.py's ``shm`` pipeline with D pushes in flight: headers
                           through a Python ZeroMQ broker, gradients through shared-memory rings,
                           weights back through a seqlock board; no protocol
@@ -85,8 +88,8 @@ import floor  # noqa: E402  (the shm pipeline, the window, the samples, the proc
 import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
-CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
-           "floor_link", "floor_onepass", "floor_inplace")
+CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm",
+           "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass", "floor_inplace")
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
                    "floor_link")
 REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")
@@ -256,14 +259,15 @@ def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
-                   pids: dict | None = None):
+                   pids: dict | None = None, board_step: bool = True):
     """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
-    workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. With ``hosts``
+    workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. Without
+    ``board_step`` the shard copies its weights onto its board after each step. With ``hosts``
     (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
     and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`."""
     ctx = mp.get_context("spawn")
     up, procs = None, []
-    env = {**os.environ, "GRADBUS_SHM": "1"}
+    env = {**os.environ, "GRADBUS_SHM": "1", "GRADBUS_BOARD_STEP": "1" if board_step else "0"}
     if run.get("weights_codec"):
         env["GRADBUS_SHARD_WEIGHTS_CODEC"] = run["weights_codec"]
     cmd = [sys.executable, "-m", "gradbus", "up", "--shards", str(run.get("shards", 1))]
@@ -313,9 +317,10 @@ def start(config: str, run: dict, counters, stop, lat):
     if config in ("rpc", "rpc_tcp", "rpc_clone"):
         return rpc_config(run, counters, stop, lat, tcp_only=config == "rpc_tcp",
                           clone=config == "rpc_clone")
-    if config in ("gradbus_shm", "gradbus_worker_noshm"):
+    if config in ("gradbus_shm", "gradbus_worker_noshm", "gradbus_shm_copy"):
         return gradbus_config(run, counters, stop, lat,
-                              "1" if config == "gradbus_shm" else "0")
+                              "0" if config == "gradbus_worker_noshm" else "1",
+                              board_step=config != "gradbus_shm_copy")
     if config in FLOORS:
         return _floor(run, counters, stop, lat, *FLOORS[config])
     raise ValueError(f"unknown configuration {config!r}")

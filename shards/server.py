@@ -407,6 +407,7 @@ class ShardServer:
             except zmq.ZMQError:
                 pass
         self._close_sock()
+        self.core.publisher.board = None   # values stepped onto the board settle first
         self.shm.close()
         if self._own_ctx:
             self.ctx.term()

@@ -262,12 +262,15 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
                    pids: dict | None = None, board_step: bool = True):
     """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
     workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. Without
-    ``board_step`` the shard copies its weights onto its board after each step. With ``hosts``
+    ``board_step`` the shard copies its weights onto its board after each step (so does
+``GRADBUS_BOARD_STEP=0`` in the environment, e.g. for ``--hops``). With ``hosts``
     (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
     and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`."""
     ctx = mp.get_context("spawn")
     up, procs = None, []
-    env = {**os.environ, "GRADBUS_SHM": "1", "GRADBUS_BOARD_STEP": "1" if board_step else "0"}
+    env = {**os.environ, "GRADBUS_SHM": "1"}
+    if not board_step:
+        env["GRADBUS_BOARD_STEP"] = "0"
     if run.get("weights_codec"):
         env["GRADBUS_SHARD_WEIGHTS_CODEC"] = run["weights_codec"]
     cmd = [sys.executable, "-m", "gradbus", "up", "--shards", str(run.get("shards", 1))]

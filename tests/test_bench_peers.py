@@ -21,7 +21,9 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(floor.SHM_DIR), reason="no /de
 
 
 def _bench_segments() -> set:
-    return {f for f in os.listdir(floor.SHM_DIR) if f.startswith(floor.SHM_PREFIX)}
+    """This process's bench segments (another test process's, under xdist, are its own)."""
+    mine = f"{floor.SHM_PREFIX}{os.getpid()}-"      # floor.SegmentSet's names
+    return {f for f in os.listdir(floor.SHM_DIR) if f.startswith(mine)}
 
 
 def writer(path, n):

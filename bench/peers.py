@@ -263,7 +263,7 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
     """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
     workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. Without
     ``board_step`` the shard copies its weights onto its board after each step (so does
-``GRADBUS_BOARD_STEP=0`` in the environment, e.g. for ``--hops``). With ``hosts``
+    ``GRADBUS_BOARD_STEP=0`` in the environment, e.g. for ``--hops``). With ``hosts``
     (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
     and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`."""
     ctx = mp.get_context("spawn")

@@ -214,8 +214,7 @@ class Board:
         self.cluster = cluster
         self.segment_bytes = segment_bytes
         self.arenas: list[_Arena] = []
-        # key -> [arena, offset, capacity, next version slot, the block's version written last,
-        #         the byte count of the version begun last]
+        # key -> [arena, offset, capacity, next version slot, the block's version written last]
         self.slots: dict[str, list] = {}
         # stamps count up from a random 56-bit start: bytes written where a given-up slot's
         # stamp was (its partition moved) equal a stamp a reader still holds in a ref only by
@@ -255,7 +254,7 @@ class Board:
             off = arena.alloc(need) if arena is not None else None
             if off is None:
                 return None
-        slot = self.slots[key] = [arena, off, cap, 0, -1, 0]
+        slot = self.slots[key] = [arena, off, cap, 0, -1]
         return slot
 
     def write(self, key: str, buf, version: int = 0, seq: int = 0) -> list | None:
@@ -281,17 +280,18 @@ class Board:
         if slot is None:
             self.stats["shm_board_full"] += 1
             return None
-        arena, off, cap, nxt = slot[0], slot[1], slot[2], slot[3]
+        arena, off, cap, nxt, _ = slot
         word = off + nxt * (cap + ALIGN)
-        arena.seg.words[word >> 3] = _WRITING
-        slot[5] = n
+        head = arena.seg.words[word >> 3:(word >> 3) + 4]   # aligned 8-byte stores each
+        head[0] = _WRITING
+        head[3] = n              # the byte count, read back by commit (readers skip it till then)
         return arena.seg.view[word + ALIGN:word + ALIGN + n]
 
     def commit(self, key: str, version: int, seq: int) -> list:
         """Publish the version :meth:`begin` opened (its bytes written) as the block's newest;
         its ref ``[segment, offset, stamp]``."""
         slot = self.slots[key]
-        arena, off, cap, nxt, n = slot[0], slot[1], slot[2], slot[3], slot[5]
+        arena, off, cap, nxt, _ = slot
         slot[3] = nxt ^ 1
         slot[4] = version
         word = off + nxt * (cap + ALIGN)
@@ -299,7 +299,6 @@ class Board:
         head = arena.seg.words[word >> 3:(word >> 3) + 4]   # aligned 8-byte stores each
         head[1] = version
         head[2] = seq
-        head[3] = n
         head[0] = self.stamp
         return [arena.seg.name, word + ALIGN, self.stamp]
 

@@ -153,7 +153,7 @@ class ParameterStore:
             blk.version += k
             return
         out = np.frombuffer(dst, blk.held.dtype)
-        blk.rule.step(blk.held if blk.live is None else blk.live, g, k, blk.state, scratch, out)
+        blk.rule.step(blk.newest, g, k, blk.state, scratch, out)
         blk.version += k
         board.commit(blk.key, blk.version, seq)
         blk.live = out

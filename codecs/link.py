@@ -37,13 +37,24 @@ CLIENT, SHARD = b"client", b"shard"
 ROLES = (CLIENT, SHARD)
 MAX_FRAMES = 1 << 20              # frames in one message
 MAX_MESSAGE = 1 << 38             # bytes in one message (frames and lengths)
-READ_CHUNK = 256 << 10            # bytes read at a time from the socket
+READ_CHUNK = 256 << 10            # bytes read at a time from the socket, into a buffer each
+                                  # reading thread keeps and parses messages out of
 BIG = 1 << 20                     # a message body at least this long is read in place
 IOV_MAX = 512                     # buffers per sendmsg call
 DEFAULT_LIMIT = 64 << 20          # bytes a link queues before it refuses messages
 _N = struct.Struct("<I")
+_HEADS = [struct.Struct(f"<I{n}Q") for n in range(9)]   # a message's framing, by frame count
+_LENS = [struct.Struct(f"<{n}Q") for n in range(9)]      # ... its frame lengths
 _PEERCRED = struct.Struct("3i")
 _POLL_IN_OUT = select.POLLIN | select.POLLOUT
+_reader = threading.local()       # .chunk: the thread's read buffer, shared by the links it reads
+
+
+def _chunk() -> memoryview:
+    chunk = getattr(_reader, "chunk", None)
+    if chunk is None:
+        chunk = _reader.chunk = memoryview(bytearray(READ_CHUNK))
+    return chunk
 
 
 class LinkClosed(ConnectionError):
@@ -90,19 +101,39 @@ class Link:
         closed or its queue would pass ``limit`` (the message then goes nowhere)."""
         views = [_view(f) for f in frames]
         lens = [v.nbytes for v in views]
-        head = struct.pack(f"<I{len(lens)}Q", len(lens), *lens)
+        n = len(lens)
+        head = (_HEADS[n] if n < len(_HEADS) else struct.Struct(f"<I{n}Q")).pack(n, *lens)
         size = len(head) + sum(lens)
         with self.lock:
             if self.closed:
                 return False
-            if self.pending and self.pending + size > self.limit:
-                self.refused += 1
-                return False
-            self.out.append(memoryview(head))
-            self.out.extend(v for v in views if v.nbytes)
-            self.pending += size
+            if self.pending:
+                if self.pending + size > self.limit:
+                    self.refused += 1
+                    return False
+            elif n < IOV_MAX:
+                # nothing queued (the usual case): one write of the whole message, queued only
+                # for what the socket did not take
+                try:
+                    sent = self.sock.sendmsg([head, *views])
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    self._close()
+                    return False
+                if sent == size:
+                    return True
+                self._queue(memoryview(head), views, size)
+                self._drop_sent(sent)
+                return True
+            self._queue(memoryview(head), views, size)
             self._write()
             return not self.closed
+
+    def _queue(self, head: memoryview, views: list, size: int) -> None:
+        self.out.append(head)
+        self.out.extend(v for v in views if v.nbytes)
+        self.pending += size
 
     def flush(self) -> bool:
         """Write what the socket takes of what is queued; True once nothing is."""
@@ -122,15 +153,20 @@ class Link:
             except OSError:
                 self._close()
                 return
-            self.pending -= n
-            while n:
-                first = out[0]
-                if n >= first.nbytes:
-                    n -= first.nbytes
-                    out.popleft()
-                else:
-                    out[0] = first[n:]
-                    n = 0
+            self._drop_sent(n)
+
+    def _drop_sent(self, n: int) -> None:
+        """Take the ``n`` bytes just written off the front of the queue."""
+        out = self.out
+        self.pending -= n
+        while n:
+            first = out[0]
+            if n >= first.nbytes:
+                n -= first.nbytes
+                out.popleft()
+            else:
+                out[0] = first[n:]
+                n = 0
 
     # -- reading ---------------------------------------------------------------------------------
     def recv(self) -> list | None:
@@ -155,7 +191,7 @@ class Link:
         return bool(self.ready)
 
     def _read(self) -> None:
-        sock = self.sock
+        sock, chunk = self.sock, _chunk()
         for _ in range(64):                 # bounded: other links get their turn
             if self.big is not None:
                 view = memoryview(self.big)[self.big_got:]
@@ -174,47 +210,60 @@ class Link:
                     self._take_big()
                 continue
             try:
-                data = sock.recv(READ_CHUNK)
+                n = sock.recv_into(chunk)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                data = b""
-            if not data:
+                n = 0
+            if not n:
                 self._close()
                 return
-            self.rbuf += data
-            self._parse()
-            if self.ready and len(data) < READ_CHUNK:
+            rbuf = self.rbuf
+            if rbuf:
+                rbuf += chunk[:n]
+                with memoryview(rbuf) as view:
+                    pos = self._parse(view, len(rbuf))
+                del rbuf[:pos]
+            else:                          # whole messages straight from what was read
+                pos = self._parse(chunk, n)
+                if pos < n and self.bad is None:
+                    rbuf += chunk[pos:n]
+            if self.bad is not None:
+                rbuf.clear()
+                return
+            if self.ready and n < READ_CHUNK:
                 self.drained = True
                 return
 
-    def _parse(self) -> None:
-        buf = self.rbuf
+    def _parse(self, buf: memoryview, end: int) -> int:
+        """Take the whole messages in ``buf[:end]`` (and start reading a large one in place);
+        returns how many bytes were taken."""
         pos = 0
         while True:
-            have = len(buf) - pos
+            have = end - pos
             if have < 4:
                 break
             n = _N.unpack_from(buf, pos)[0]
             if n > MAX_FRAMES:
                 self._bad(f"{n} frames")
-                return
+                return pos
             head = 4 + 8 * n
             if have < head:
                 break
-            lens = struct.unpack_from(f"<{n}Q", buf, pos + 4)
+            lens = (_LENS[n] if n < len(_LENS) else struct.Struct(f"<{n}Q")).unpack_from(
+                buf, pos + 4)
             body = sum(lens)
             if body > MAX_MESSAGE:
                 self._bad(f"a {body} B message")
-                return
+                return pos
             if have < head + body:
                 if body >= BIG:              # read the rest of it in place
                     start = pos + head
                     self.big = bytearray(body)
-                    got = len(buf) - start
-                    self.big[:got] = buf[start:]
+                    got = end - start
+                    self.big[:got] = buf[start:end]
                     self.big_lens, self.big_got = list(lens), got
-                    pos = len(buf)
+                    pos = end
                 break
             off = pos + head
             frames = []
@@ -223,8 +272,7 @@ class Link:
                 off += k
             self.ready.append(frames)
             pos = off
-        if pos:
-            del buf[:pos]
+        return pos
 
     def _take_big(self) -> None:
         view, frames, off = memoryview(self.big), [], 0
@@ -237,8 +285,7 @@ class Link:
 
     def _bad(self, what: str) -> None:
         self._close()
-        self.rbuf.clear()
-        self.bad = what
+        self.bad = what             # what was read is dropped once its view is released
 
     def _close(self) -> None:
         self.closed = True

@@ -66,9 +66,9 @@ def test_a_read_that_emptied_the_socket_is_not_followed_by_a_failing_one(pair):
         def __init__(self, sock):
             self.sock, self.reads = sock, 0
 
-        def recv(self, n):
+        def recv_into(self, buf):
             self.reads += 1
-            return self.sock.recv(n)
+            return self.sock.recv_into(buf)
 
         def __getattr__(self, name):
             return getattr(self.sock, name)
@@ -78,6 +78,7 @@ def test_a_read_that_emptied_the_socket_is_not_followed_by_a_failing_one(pair):
     assert a.send([b"one"])
     assert _take(b, 1) == [[b"one"]]
     reads = counting.reads
+    assert reads >= 1
     assert b.recv() is None and counting.reads == reads          # no failing read
     assert a.send([b"two"]) and a.send([b"three"])
     assert _take(b, 2) == [[b"two"], [b"three"]]
@@ -86,6 +87,76 @@ def test_a_read_that_emptied_the_socket_is_not_followed_by_a_failing_one(pair):
         deadline = time.monotonic() + DEADLINE
         while time.monotonic() < deadline:
             b.recv()
+
+
+def _framed(frames: list) -> bytes:
+    """A message as a link writes it (the module's framing, written out here independently)."""
+    return (struct.pack(f"<I{len(frames)}Q", len(frames), *map(len, frames))
+            + b"".join(frames))
+
+
+def _poll_take(lnk) -> list:
+    """Every whole message ``lnk`` has now (reading until the socket is empty)."""
+    got = []
+    for _ in range(3):               # a read that emptied the socket skips the next read
+        while (m := lnk.recv()) is not None:
+            got.append([bytes(f) for f in m])
+    return got
+
+
+def test_messages_cut_anywhere_arrive_whole_and_in_order(pair):
+    """Messages written in pieces of every size, cut inside the framing and inside the frames,
+    several in one read and the last one partly: each arrives whole, once, in order."""
+    a, b = pair
+    msgs = [[b"head-%d" % i, bytes([i]) * (i * 37 % 300), b""] for i in range(40)]
+    wire_bytes = b"".join(_framed(m) for m in msgs)
+    got, pos, cut = [], 0, 1
+    while pos < len(wire_bytes):
+        a.sock.sendall(wire_bytes[pos:pos + cut])
+        pos += cut
+        cut = cut % 97 + 1 if cut < 97 else 1000    # 1, 2, ... 97 bytes, then larger pieces
+        got += _poll_take(b)
+    got += _poll_take(b)
+    assert got == msgs
+    assert not b.rbuf and not b.buffered
+
+
+def test_links_read_by_one_thread_keep_their_partial_messages_apart():
+    """One thread reads both links through the same read buffer: what each has of a message
+    not yet whole stays its own."""
+    ends = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(2)]
+    readers = [link.Link(r) for _, r in ends]
+    try:
+        one, two = _framed([b"one", b"x" * 500]), _framed([b"two", b"y" * 700])
+        ends[0][0].sendall(one[:300])
+        ends[1][0].sendall(two[:11])
+        assert _poll_take(readers[0]) == [] and _poll_take(readers[1]) == []
+        ends[1][0].sendall(two[11:] + two)
+        ends[0][0].sendall(one[300:])
+        assert _poll_take(readers[1]) == [[b"two", b"y" * 700]] * 2
+        assert _poll_take(readers[0]) == [[b"one", b"x" * 500]]
+    finally:
+        for lnk in readers:
+            lnk.close()
+        for w, _ in ends:
+            w.close()
+
+
+def test_garbage_after_a_partial_message_closes_the_link(pair):
+    a, b = pair
+    whole = _framed([b"fine"])
+    a.sock.sendall(whole + whole[:3])
+    assert _poll_take(b) == [[b"fine"]]
+    assert len(b.rbuf) == 3                  # the next message's start, kept
+    a.sock.sendall(whole[3:] + struct.pack("<I", link.MAX_FRAMES + 1) + bytes(64))
+    got = []
+    with pytest.raises(link.LinkClosed):
+        for _ in range(100):
+            m = b.recv()
+            if m is not None:
+                got.append([bytes(f) for f in m])
+    assert got == [[b"fine"]]
+    assert "frames" in b.bad and not b.rbuf
 
 
 def test_a_large_message_goes_out_in_pieces_while_the_reader_reads():

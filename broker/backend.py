@@ -242,7 +242,9 @@ class ShardEvents:
                 b.errors = {e[0]: (e[1], e[2]) for e in part.errors}
             b.waiting.discard(s.id)
             if hops.ON:
-                hops.stamp("broker_applied", [r[1] for r in b.refs])
+                msgs = [r[1] for r in b.refs]
+                hops.stamp_woke("broker_wake_applied", msgs)
+                hops.stamp("broker_applied", msgs)
             actions += self.settlement.progress(p, seq, b)
         return actions
 

@@ -314,6 +314,7 @@ class BrokerCore:
     def _push(self, client, h: messages.Push, frames: list) -> list:
         msg = h.msg
         if hops.ON:
+            hops.stamp_woke("broker_wake", msg)
             hops.stamp("broker_in", msg)
         settle = self.settlement
         replay = settle.replay(client, msg)

@@ -28,7 +28,7 @@ import time
 
 import zmq
 
-from gradbus.codecs import net, security, wire
+from gradbus.codecs import hops, net, security, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
@@ -385,6 +385,8 @@ class BrokerServer:
                 if links is not None and links.again:
                     timeout = 0.0
                 events = dict(poller.poll(min(timeout, 0.05) * 1000))
+                if hops.ON:
+                    hops.woke()
                 if pair_socks and any(s in events for s in pair_socks):
                     self._pair_tick(self.clock(), beat=False)
                 if self.events in events:

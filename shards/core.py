@@ -110,6 +110,7 @@ class ShardCore:
         t0 = time.perf_counter()
         if hops.ON:
             msgs = [e.m for part in m.parts for e in part.e if getattr(e, "m", None) is not None]
+            hops.stamp_woke("shard_wake", msgs)
             hops.stamp("shard_in", msgs)
         out_parts, tail, done = [], [], []
         rows = RowBatch()     # every partition's table rows, updated together

@@ -23,7 +23,7 @@ import uuid
 
 import zmq
 
-from gradbus.codecs import link, messages, net, security, timing, wire
+from gradbus.codecs import hops, link, messages, net, security, timing, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
@@ -307,6 +307,8 @@ class ShardServer:
                     self._act(self.reg.lost(self.clock()))
                     continue
                 if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
+                    if hops.ON:
+                        hops.woke()
                     self._drain()
                 now = self.clock()
                 if self._ckpt_done:

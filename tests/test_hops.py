@@ -2,6 +2,8 @@
 its round trip, in order, when ``$GRADBUS_HOPS`` names a directory."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from gradbus.codecs import hops
 
 PUSHES = 6
 ROUND_TRIP = hops.HOPS[:hops.HOPS.index("resolved") + 1]   # the bench stamps pull_returned
+IN_ORDER = [h for h in ROUND_TRIP if h not in hops.WAKES]
 
 
 @pytest.fixture(autouse=True)
@@ -42,5 +45,28 @@ def test_every_process_stamps_every_hop_in_order(make_cluster, tmp_path, monkeyp
     for m in msgs:
         got = stamps[m]
         assert set(ROUND_TRIP) <= set(got), (m, sorted(got))
-        times = [got[h] for h in ROUND_TRIP]
+        times = [got[h] for h in IN_ORDER]
         assert times == sorted(times), (m, got)
+        for wake in hops.WAKES:     # the receiver woke before it took the message in
+            after = ROUND_TRIP[ROUND_TRIP.index(wake) + 1]
+            assert got[wake] <= got[after], (m, wake, got)
+
+
+def test_a_wake_stamps_the_time_its_thread_woke(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADBUS_HOPS", str(tmp_path))
+    hops.stamp_woke("shard_wake", 5)            # this thread never woke: nothing
+    assert hops.read(str(tmp_path)) == {}
+    hops.woke()
+    seen = {}
+
+    def other():
+        hops.woke()
+        seen["other"] = hops._loop.woke
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    mine = hops._loop.woke
+    hops.stamp_woke("shard_wake", [5, 6])
+    assert hops.read(str(tmp_path)) == {5: {"shard_wake": mine}, 6: {"shard_wake": mine}}
+    assert seen["other"] >= mine

@@ -22,7 +22,7 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from gradbus.codecs import link, net, security, wire
+from gradbus.codecs import hops, link, net, security, wire
 from gradbus.codecs.errors import ClosedError, GradbusError
 
 from .actions import Reconnect, Subscribe, Unsubscribe
@@ -147,6 +147,8 @@ class Agent(threading.Thread):
                 elif link_flags:
                     link_flags = 0
                 ready = dict(poller.poll(timeout))
+                if hops.ON:
+                    hops.woke()
                 if self.watch is not None and self.watch.mon in ready:
                     closed = self.watch.closed
                     self.watch.check()

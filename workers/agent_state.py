@@ -313,6 +313,7 @@ class AgentState:
         kind = h.kind
         ids = h.ids if kind == wire.ACK else (h.msg,)
         if hops.ON:
+            hops.stamp_woke("agent_wake", ids)
             hops.stamp("agent_ack", ids)
         settled = [m for m in ids if self._settle_one(kind, m, h)]
         if hops.ON:

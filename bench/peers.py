@@ -56,8 +56,9 @@ with ``$GRADBUS_HOPS`` set (gradbus/codecs/hops.py): every process stamps each p
 hop of its round trip with the host's monotonic clock (and, at each receiver, the time its loop
 woke for the message: a crossing is the sender's hop to that wake, then the wake to the
 receiver's hop), and one JSON line per pair of consecutive hops gives the median and p90
-microseconds between them, over the pushes of the window. Its last line also gives the CPU microseconds per update of each kind of process
-(``cpu_us_per_update_by_role``: broker, shard, worker, launcher), stamping included.
+microseconds between them, over the pushes of the window. Its last line also gives the CPU
+microseconds per update of each kind of process (``cpu_us_per_update_by_role``: broker, shard,
+worker, launcher), stamping included.
 
 Usage: python bench/peers.py [--sizes 64K,4M,16M] [--depth 1,4,32] [--seconds 4] [--warmup 1.5]
                              [--configs rpc,rpc_tcp,gradbus_shm,gradbus_worker_noshm,floor_shm,

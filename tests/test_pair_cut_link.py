@@ -2,11 +2,13 @@
 (protocol section 23): each broker on a host of its own (a network namespace), the shards and
 the clients on a third; the test cuts the link between the two brokers alone (iptables drops
 in one broker's namespace). Exactly one broker accepts pushes before, during and after the
-cut, and the known answer is exact. Skips where network namespaces cannot be made."""
+cut, and the known answer is exact. Skips where network namespaces cannot be made, or where
+iptables is not installed."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -53,6 +55,8 @@ def test_a_cut_link_between_the_brokers_alone_leaves_one_accepting_pushes():
     why = hosts_net.permitted()
     if why:
         pytest.skip(f"emulated hosts: {why}")
+    if shutil.which("iptables") is None:
+        pytest.skip("iptables is not installed (Debian: apt-get install iptables)")
     hosts = hosts_net.Hosts(2, "1gbit", "1gbit")
     procs: list = []
     try:

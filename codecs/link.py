@@ -114,15 +114,11 @@ class Link:
             elif n < IOV_MAX:
                 # nothing queued (the usual case): one write of the whole message, queued only
                 # for what the socket did not take
-                try:
-                    sent = self.sock.sendmsg([head, *views])
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                except OSError:
-                    self._close()
-                    return False
+                sent = self._sendmsg([head, *views])
                 if sent == size:
                     return True
+                if self.closed:
+                    return False
                 self._queue(memoryview(head), views, size)
                 self._drop_sent(sent)
                 return True
@@ -145,15 +141,21 @@ class Link:
     def _write(self) -> None:
         out = self.out
         while out:
-            bufs = [out[i] for i in range(min(len(out), IOV_MAX))]
-            try:
-                n = self.sock.sendmsg(bufs)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                self._close()
+            n = self._sendmsg([out[i] for i in range(min(len(out), IOV_MAX))])
+            if not n:
                 return
             self._drop_sent(n)
+
+    def _sendmsg(self, bufs: list) -> int:
+        """Write what the socket takes of ``bufs`` now; the bytes written (0 when it takes
+        none now, or when the link failed: it is closed then)."""
+        try:
+            return self.sock.sendmsg(bufs)
+        except (BlockingIOError, InterruptedError):
+            return 0
+        except OSError:
+            self._close()
+            return 0
 
     def _drop_sent(self, n: int) -> None:
         """Take the ``n`` bytes just written off the front of the queue."""

@@ -31,11 +31,13 @@ import time
 
 import numpy as np
 
+BLOCK_BYTES = 1 << 20    # the bulk tensor's blocks: many per partition, so each fills evenly
+
 
 def _worker(url, n, stop, q, probe=0, partitions=1):
     import gradbus
     acks = []
-    with gradbus.connect(url, timeout=120, window=4) as c:
+    with gradbus.connect(url, timeout=120, window=4, block_bytes=BLOCK_BYTES) as c:
         c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-9))
         grads = {"w": np.ones(n, np.float32)}
         if probe:       # small pushes that touch every partition; "w" is only the bulk to move
@@ -81,10 +83,9 @@ def main() -> None:
     args = ap.parse_args()
     from gradbus import admin
     from gradbus.cluster import LocalCluster
-    from gradbus.codecs.partition import DEFAULT_BLOCK_BYTES
     hb = ["--heartbeat-interval", "0.1", "--liveness", "10"]
-    block = DEFAULT_BLOCK_BYTES // 4     # elements per 1 MiB block; blocks hash to partitions
-    nblocks = int(args.mib * args.partitions * (1 << 20) // DEFAULT_BLOCK_BYTES)
+    block = BLOCK_BYTES // 4     # float32 elements per block; blocks hash to partitions
+    nblocks = int(args.mib * args.partitions * (1 << 20) // BLOCK_BYTES)
     n = nblocks * block
     cluster = LocalCluster(1, port=0, partitions=args.partitions, broker_args=hb,
                            shard_args=hb).start()

@@ -61,7 +61,7 @@ class LinkClosed(ConnectionError):
     """The link's peer went away (or sent what is not a link's framing)."""
 
 
-def _view(frame) -> memoryview:
+def byte_view(frame) -> memoryview:
     """The bytes of a frame (bytes, bytearray, memoryview, numpy array, zmq.Frame) as a flat
     byte view."""
     buf = getattr(frame, "buffer", None)      # a zmq.Frame
@@ -99,7 +99,7 @@ class Link:
     def send(self, frames) -> bool:
         """Queue one message and write what the socket takes now; False when the link is
         closed or its queue would pass ``limit`` (the message then goes nowhere)."""
-        views = [_view(f) for f in frames]
+        views = [byte_view(f) for f in frames]
         lens = [v.nbytes for v in views]
         n = len(lens)
         head = (_HEADS[n] if n < len(_HEADS) else struct.Struct(f"<I{n}Q")).pack(n, *lens)

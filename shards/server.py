@@ -49,10 +49,14 @@ class ShardServer:
                  data_dir: str | None = None, checkpoint_interval: float = 0.0,
                  checkpoint_keep: int = 3, restore: str | None = None,
                  on_metrics=None, metrics_url: str | None = None, shm: bool | None = None,
-                 shm_reply_bytes: int | None = None, **core_kw):
+                 shm_reply_bytes: int | None = None, connect=None, **core_kw):
         """``shm``: read pushes from and publish weights into shared memory when the broker is
         on this host (None: ``$GRADBUS_SHM``, else on); ``shm_reply_bytes``: the cap of its
-        reply area (None: ``$GRADBUS_SHM_REPLY_MB``, else 256 MiB; 0: replies as frames)."""
+        reply area (None: ``$GRADBUS_SHM_REPLY_MB``, else 256 MiB; 0: replies as frames);
+        ``connect``: a shard inside the broker's process (:meth:`start`, :meth:`pump`,
+        :meth:`turn`, driven by the broker's loop): called for each connection, it returns
+        the broker's end of a fresh :class:`~gradbus.codecs.pipe.Pipe` made known to the
+        broker, and the WELCOME a HELLO would have brought."""
         # one broker, or a broker pair's two (protocol section 23): the shard talks to one
         # at a time, and goes to the other when that one is gone or says it is the standby
         self.broker_urls = net.broker_urls(broker_url)
@@ -93,6 +97,8 @@ class ShardServer:
         self._ckpt_waiting: list = []            # CHECKPOINT requests for the running write
         self.last_checkpoint: checkpoint.Checkpoint | None = None
         self.meters = ShardMeters(checkpoint_interval, data_dir)
+        self.connector = connect
+        self._last_ckpt = self._next_prune = 0.0
         if restore:
             self.restore(restore)
 
@@ -161,6 +167,12 @@ class ShardServer:
         ``next_broker``) and connect a fresh backend socket; False when the shard was stopped
         first."""
         self._close_sock()
+        if self.connector is not None:      # inside the broker's process: a fresh pipe
+            sock, welcome = self.connector()
+            self.shm.welcome(welcome)
+            self.sock = sock
+            self.broker_url = "this process"
+            return True
         urls = self.broker_urls
         first = self.broker_at + 1 if next_broker else self.broker_at
         log.info("%s: asking the broker at %s for its ports", self.shard_id,
@@ -299,30 +311,57 @@ class ShardServer:
 
     def run(self) -> None:
         try:
-            self._act(self.reg.start())
-            last_ckpt = next_prune = self.clock()
+            self.start()
             while not self.stopping.is_set():
-                if self._handshake_failed() or getattr(self.sock, "lost", False) \
-                        or self._broker_gone():
-                    self._act(self.reg.lost(self.clock()))
+                if self._connection_lost():
                     continue
                 if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
                     if hops.ON:
                         hops.woke()
                     self._drain()
-                now = self.clock()
-                if self._ckpt_done:
-                    self._checkpoint_replies()
-                if now >= next_prune:
-                    next_prune = now + PRUNE_EVERY
-                    self.shm.prune()
-                if (self.checkpoint_interval and self.data_dir and self._ckpt_thread is None
-                        and now - last_ckpt >= self.checkpoint_interval):
-                    last_ckpt = now
-                    self._start_checkpoint(None)
-                self._act(self.reg.tick(now))
+                self.turn()
         finally:
             self.close()
+
+    def start(self) -> None:
+        """Connect and register (the first of the loop's work)."""
+        self._act(self.reg.start())
+        self._last_ckpt = self._next_prune = self.clock()
+
+    def _connection_lost(self) -> bool:
+        if self._handshake_failed() or getattr(self.sock, "lost", False) \
+                or self._broker_gone():
+            self._act(self.reg.lost(self.clock()))
+            return True
+        return False
+
+    def pump(self) -> None:
+        """Inside the broker's process: take every message the broker handed over (the
+        loop's reads, without its wait)."""
+        if self.stopping.is_set() or self._connection_lost():
+            return
+        while self.sock.poll(0) and not self.stopping.is_set():
+            self._drain()
+            if getattr(self.sock, "lost", False):
+                break
+
+    def turn(self) -> None:
+        """The loop's work between reads: checkpoints, the shared-memory prune, heartbeats
+        and the broker's liveness (inside the broker's process, the broker's loop running
+        this turn is the broker heard)."""
+        now = self.clock()
+        if self.connector is not None and not getattr(self.sock, "lost", True):
+            self.reg.heard(now, wire.HEARTBEAT)
+        if self._ckpt_done:
+            self._checkpoint_replies()
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_EVERY
+            self.shm.prune()
+        if (self.checkpoint_interval and self.data_dir and self._ckpt_thread is None
+                and now - self._last_ckpt >= self.checkpoint_interval):
+            self._last_ckpt = now
+            self._start_checkpoint(None)
+        self._act(self.reg.tick(now))
 
     def _drain(self) -> None:
         """Up to DRAIN_MAX waiting messages: the registration's to the state machine, the

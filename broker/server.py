@@ -47,6 +47,7 @@ from .actions import (
 from .core import BrokerCore
 from .faults import FaultInjector
 from .flow import ByteCap
+from .inproc import InprocShards, welcome_of
 from .links import CLIENT, SHARD, Links
 from .pair import Deposed, Pair
 from .pair_link import PairLink
@@ -97,6 +98,7 @@ class BrokerServer:
         self.curve = curve
         self.auth = self.handshakes = self.frontend = self.backend = self.events = None
         self.shm_io = self.links = None
+        self.inproc: InprocShards | None = None     # shards in this process (add_shard)
         try:
             self._open(curve, port, backend_port, events_port)
             self.shm_io = ShmIO(self.core, f"{host}:{self.port}", shmem.wanted(shm))
@@ -195,6 +197,8 @@ class BrokerServer:
                             if torn is not None:
                                 self._do([torn])
                             continue
+                        if self.inproc is not None and self.inproc.put(identity, frames):
+                            continue
                         if self.links is None or self.links.send(SHARD, identity,
                                                                  frames) is None:
                             self.backend.send_multipart([identity, *frames], copy=False)
@@ -246,11 +250,12 @@ class BrokerServer:
             n += 1
             if len(msg) < 2:
                 continue  # ROUTER always gives identity + at least one frame; ignore otherwise
-            if (sock is self.backend and self.links is not None
-                    and self.links.holds(SHARD, msg[0].bytes)):
-                # a live shard's link identity from a socket: another peer's, never the
-                # shard's (it speaks on one or the other), so it takes no shard's place
-                self.links.counters["links_impersonated"] += 1
+            if sock is self.backend and (
+                    (self.links is not None and self.links.holds(SHARD, msg[0].bytes))
+                    or (self.inproc is not None and self.inproc.holds(msg[0].bytes))):
+                # a live shard's link (or pipe) identity from a socket: another peer's,
+                # never the shard's (it speaks on one only), so it takes no shard's place
+                self.core.meters.counters["links_impersonated"] += 1
                 continue
             if self.auth is not None:    # the authenticated sender's key and roles
                 key = _user_id(msg[1])
@@ -359,6 +364,30 @@ class BrokerServer:
                                  identity, frames)
         return n
 
+    # -- shards in this process (broker/inproc.py) ----------------------------------------------
+    def add_shard(self, make_shard):
+        """Run a shard inside this process: ``make_shard(connect)`` builds it with
+        ``connect`` as its connector (:class:`~gradbus.shards.server.ShardServer`'s
+        ``connect=``); it registers at the loop's first turn. Call before :meth:`run`."""
+        if self.pair is not None or self.curve is not None:
+            raise ValueError("a shard inside the broker's process runs without a broker pair "
+                             "and without CURVE")
+        if self.inproc is None:
+            self.inproc = InprocShards(self._welcome)
+        return self.inproc.add(make_shard)
+
+    def _welcome(self) -> dict:
+        """The WELCOME this broker gives a shard's HELLO."""
+        return welcome_of(self.core.on_frontend(b"P-inproc-hello",
+                                                [wire.pack(wire.HELLO, role="shard")],
+                                                self.clock()))
+
+    def _pump(self) -> None:
+        self.inproc.pump(self._from_inproc)
+
+    def _from_inproc(self, identity: bytes, frames: list) -> None:
+        self._handle(self.handlers.on_backend, identity, frames)
+
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.backend, zmq.POLLIN)
@@ -384,6 +413,12 @@ class BrokerServer:
                     timeout = min(timeout, max(0.0, first_pending + self.batch_window - now))
                 if links is not None and links.again:
                     timeout = 0.0
+                inproc = self.inproc
+                if inproc is not None:
+                    inproc.turn(now)
+                    self._pump()
+                    if inproc.busy():
+                        timeout = 0.0
                 events = dict(poller.poll(min(timeout, 0.05) * 1000))
                 if hops.ON:
                     hops.woke()
@@ -419,8 +454,15 @@ class BrokerServer:
                         first_pending = None
                 else:
                     first_pending = None
+                if inproc is not None:
+                    self._pump()
                 if now >= next_tick:
-                    # read what shards sent meanwhile before judging their liveness
+                    # read what shards sent meanwhile before judging their liveness (a shard
+                    # in this process first sends its heartbeat when one is due: it could
+                    # not while the loop was busy)
+                    if inproc is not None:
+                        inproc.turn(now, force=True)
+                        self._pump()
                     got = self._drain(self.backend, self.handlers.on_backend, DRAIN_MAX)
                     if links is not None:
                         got += self._drain_links([fd for fd, ent in links.by_fd.items()
@@ -471,6 +513,14 @@ class BrokerServer:
         self.stopping.set()
 
     def close(self) -> None:
+        inproc, self.inproc = self.inproc, None
+        try:
+            if inproc is not None:      # first: a shard's final checkpoint, its last messages
+                inproc.close()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
         if self.log is not None:
             self.log.close()
         if self.handshakes is not None:

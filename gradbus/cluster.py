@@ -83,9 +83,15 @@ class LocalCluster:
                  shard_extra: dict[str, list[str]] | None = None, curve_dir: str | None = None,
                  metrics_port: int | None = None, backend_port: int = 0, events_port: int = 0,
                  data_dir: str | None = None, restore_from: dict[str, str] | None = None,
-                 brokers: int = 1):
+                 brokers: int = 1, inproc: bool = False):
+        """``inproc``: the shards run inside the broker's process (``gradbus broker
+        --inproc-shards``), started, stopped and restarted with it."""
         if shards < 1:
             raise ValueError("a cluster needs at least one shard")
+        if inproc and (brokers != 1 or curve_dir or not processes or restore_from
+                       or shard_extra):
+            raise ValueError("shards inside the broker's process run with one broker process "
+                             "and without CURVE")
         if brokers not in (1, 2):
             raise ValueError("a cluster has one broker, or a pair (brokers=2)")
         if brokers == 2 and (not processes or backend_port or events_port):
@@ -121,6 +127,7 @@ class LocalCluster:
         self.restore_from = restore_from or {}
         self._started: set[str] = set()
         self.processes = processes
+        self.inproc = inproc
         self.ready_timeout = ready_timeout
         self.broker_args = broker_args or []
         self.shard_args = shard_args or []
@@ -163,7 +170,7 @@ class LocalCluster:
             if self.processes:
                 for name in self.broker_names:
                     self.start_broker(name)
-                for sid in self.shard_ids:
+                for sid in self.shard_ids if not self.inproc else ():
                     self.add_shard(sid)
             else:
                 from gradbus.broker.server import BrokerServer
@@ -197,6 +204,10 @@ class LocalCluster:
         old = self.broker_procs.get(name)
         if old is not None and old.poll() is not None and old.stdout:
             old.stdout.close()            # a broker that ended, started again
+        if self.inproc:      # the broker restores them from data_dir itself
+            ports += ["--inproc-shards", str(self.n_shards)]
+            if self.data_dir:
+                ports += ["--data-dir", self.data_dir]
         proc = self.broker_procs[name] = self._spawn(
             ["broker", "--host", self.host, *ports, "--partitions", str(self.partitions),
              "--replicas", str(self.replicas), *self._curve_args("broker"),

@@ -73,11 +73,23 @@ from gradbus.codecs.partition import DEFAULT_PARTITIONS
 @click.option("--peer-port", default=0, type=click.IntRange(0, 65535),
               help="With --peer: the port this broker's pair address binds (0: a free one, "
                    "printed as 'pair: URL').")
+@click.option("--inproc-shards", default=0, type=click.IntRange(0, 64),
+              help="Run this many shards inside the broker's process (ids shard-0, shard-1, "
+                   "...): no crossing between broker and shard, but they fail together. "
+                   "Not with --peer or CURVE.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="With --inproc-shards: they checkpoint under DIR/<shard id>/ and start "
+                   "from their newest checkpoint there.")
+@click.option("--checkpoint-interval", default=60.0, show_default=True,
+              type=click.FloatRange(0),
+              help="With --inproc-shards and --data-dir: seconds between checkpoints (0: only "
+                   "on request and at a clean stop).")
 @click.option("-v", "--verbose", count=True)
 def broker(host, port, backend_port, events_port, partitions, batch_window, shard_credit,
            max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
            verbose, curve, metrics_port, metrics_host, log_dir, log_fsync, replay_log,
-           replay_until, shm, expect_shards, peer, peer_port):
+           replay_until, shm, expect_shards, peer, peer_port, inproc_shards, data_dir,
+           checkpoint_interval):
     """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
     with --metrics-port, 'pair: URL' with --peer)."""
     opts.setup_logging(verbose)
@@ -96,6 +108,11 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
         raise click.ClickException(f"update log: {e}")
     if peer is not None and log_kw:
         raise click.UsageError("--peer runs without an update log for now")
+    if inproc_shards and (peer is not None or curve is not None):
+        raise click.UsageError("--inproc-shards runs without --peer and without CURVE")
+    if data_dir and not inproc_shards:
+        raise click.UsageError("--data-dir is for --inproc-shards (a shard process takes "
+                               "its own)")
     pair_kw = {"peer": peer, "peer_port": peer_port} if peer is not None else {}
 
     def start(pair=None):
@@ -107,9 +124,16 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
                             curve=curve, on_metrics=exporter.update if exporter else None,
                             expect_shards=expect_shards, shm=shm, pair=pair, **pair_kw,
                             **log_kw)
+    srv = None
     try:
         srv = start()
+        for i in range(inproc_shards):
+            _inproc_shard(srv, f"shard-{i}", shm=shm, heartbeat_interval=heartbeat_interval,
+                          liveness=liveness, data_dir=data_dir,
+                          checkpoint_interval=checkpoint_interval)
     except Exception as e:
+        if srv is not None:
+            srv.close()
         if exporter:
             exporter.close()
         raise click.ClickException(f"cannot start broker: {e}")
@@ -137,6 +161,20 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
             exporter.close()
         if log_kw.get("log"):
             log_kw["log"].close()
+
+
+def _inproc_shard(srv, shard_id: str, data_dir: str | None, **kw):
+    """A shard inside the broker's process, from its newest checkpoint under ``data_dir``
+    where it has one."""
+    from gradbus.shards import checkpoint
+    from gradbus.shards.server import ShardServer
+    restore = None
+    if data_dir:
+        ck = checkpoint.newest(data_dir, shard_id)
+        restore = ck.path if ck is not None else None
+    return srv.add_shard(lambda connect: ShardServer(srv.url, shard_id, ctx=srv.ctx,
+                                                     data_dir=data_dir, restore=restore,
+                                                     connect=connect, **kw))
 
 
 @config.config_option
@@ -228,8 +266,12 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
               help="2: a broker pair, an active broker (on --port) and a standby (on a free "
                    "port) that takes over when it dies; 'ready:' names both URLs, for "
                    "clients and ops commands.")
+@click.option("--inproc", is_flag=True,
+              help="The shards run inside the broker's process (gradbus broker "
+                   "--inproc-shards): a shorter round trip on one host; they fail and restart "
+                   "with the broker. Not with --brokers 2 or --curve.")
 def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backend_port,
-       events_port, data_dir, shm, max_restarts, brokers):
+       events_port, data_dir, shm, max_restarts, brokers, inproc):
     """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM.
 
     A process that dies is started again after a back-off: the broker on the same ports, a
@@ -253,8 +295,8 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
                                replicas=replicas, broker_args=forward, shard_args=forward,
                                curve_dir=curve_dir, metrics_port=metrics_port,
                                backend_port=backend_port or 0, events_port=events_port or 0,
-                               data_dir=data_dir, brokers=brokers)
-    except (GradbusError, OSError) as e:
+                               data_dir=data_dir, brokers=brokers, inproc=inproc)
+    except (GradbusError, OSError, ValueError) as e:
         raise click.ClickException(str(e))
     _run_cluster(cluster, stop, RestartPolicy(max_restarts))
 

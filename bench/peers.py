@@ -90,7 +90,7 @@ import floor  # noqa: E402  (the shm pipeline, the window, the samples, the proc
 import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
-CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm",
+CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
            "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass", "floor_inplace")
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
                    "floor_link")
@@ -261,7 +261,7 @@ def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
-                   pids: dict | None = None, board_step: bool = True):
+                   pids: dict | None = None, board_step: bool = True, inproc: bool = False):
     """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
     workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. Without
     ``board_step`` the shard copies its weights onto its board after each step (so does
@@ -276,6 +276,8 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
     if run.get("weights_codec"):
         env["GRADBUS_SHARD_WEIGHTS_CODEC"] = run["weights_codec"]
     cmd = [sys.executable, "-m", "gradbus", "up", "--shards", str(run.get("shards", 1))]
+    if inproc:
+        cmd.append("--inproc")
     if hosts is None:
         cmd += ["--port", str(throughput.free_port())]
     else:
@@ -322,10 +324,11 @@ def start(config: str, run: dict, counters, stop, lat):
     if config in ("rpc", "rpc_tcp", "rpc_clone"):
         return rpc_config(run, counters, stop, lat, tcp_only=config == "rpc_tcp",
                           clone=config == "rpc_clone")
-    if config in ("gradbus_shm", "gradbus_worker_noshm", "gradbus_shm_copy"):
+    if config in ("gradbus_shm", "gradbus_worker_noshm", "gradbus_shm_copy", "gradbus_inproc"):
         return gradbus_config(run, counters, stop, lat,
                               "0" if config == "gradbus_worker_noshm" else "1",
-                              board_step=config != "gradbus_shm_copy")
+                              board_step=config != "gradbus_shm_copy",
+                              inproc=config == "gradbus_inproc")
     if config in FLOORS:
         return _floor(run, counters, stop, lat, *FLOORS[config])
     raise ValueError(f"unknown configuration {config!r}")

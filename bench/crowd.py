@@ -10,8 +10,10 @@ the round's window after ``--warmup``), the broker's and shards' CPU microsecond
 that window, and their open descriptors and mapped gradbus segments at the round's end; a last
 line gives the last round's rate over the first's.
 
+``--inproc`` runs the shards inside the broker's process (``gradbus up --inproc``).
+
 Usage: python bench/crowd.py [--clients 50] [--rounds 2] [--seconds 15] [--size 4K]
-                             [--depth 1] [--shards 1] [--per-process 5]
+                             [--depth 1] [--shards 1] [--per-process 5] [--inproc]
 """
 from __future__ import annotations
 
@@ -135,6 +137,8 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--shards", type=int, default=1)
     ap.add_argument("--per-process", type=int, default=5)
+    ap.add_argument("--inproc", action="store_true",
+                    help="the shards inside the broker's process (gradbus up --inproc)")
     a = ap.parse_args(argv)
     if min(a.clients, a.rounds, a.depth, a.shards, a.per_process) < 1:
         ap.error("--clients, --rounds, --depth, --shards and --per-process must be positive")
@@ -142,7 +146,8 @@ def main(argv=None) -> int:
     rates = []
     with tempfile.NamedTemporaryFile("w+", prefix="gradbus-crowd-up-", suffix=".log") as log:
         up = subprocess.Popen([sys.executable, "-m", "gradbus", "up", "--shards",
-                               str(a.shards), "--port", str(throughput.free_port())],
+                               str(a.shards), "--port", str(throughput.free_port()),
+                               *(["--inproc"] if a.inproc else [])],
                               stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                               start_new_session=True)
         try:
@@ -152,7 +157,7 @@ def main(argv=None) -> int:
                 rates.append(res["pushes_per_s"])
                 print(json.dumps({"bench": "crowd", "round": r + 1, "clients": a.clients,
                                   "size": a.size, "depth": a.depth, "shards": a.shards,
-                                  **res, "cpus": os.cpu_count()}), flush=True)
+                                  "inproc": a.inproc, **res, "cpus": os.cpu_count()}), flush=True)
         finally:
             with contextlib.suppress(Exception):
                 peers._end_group(up)

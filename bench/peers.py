@@ -16,6 +16,8 @@ sends the next:
                           process with GRADBUS_SHM=1; D pushes (acks=1) in flight, then the
                           oldest's ACK, then ``pull(["w"], min_version=ack["ver"])``: weights
                           that include the push
+    gradbus_inproc        ``gradbus up --shards 1 --inproc``: the shard runs inside the broker's
+                          process (one server process, as RPC's), the workers as ``gradbus_shm``
     gradbus_worker_noshm  the same with GRADBUS_SHM=0 in the workers (workers on other hosts)
     gradbus_shm_copy      ``gradbus_shm`` with GRADBUS_BOARD_STEP=0: the shard steps its weights
                           in place, then copies them onto its board, where ``gradbus_shm`` steps
@@ -58,11 +60,12 @@ woke for the message: a crossing is the sender's hop to that wake, then the wake
 receiver's hop), and one JSON line per pair of consecutive hops gives the median and p90
 microseconds between them, over the pushes of the window. Its last line also gives the CPU
 microseconds per update of each kind of process (``cpu_us_per_update_by_role``: broker, shard,
-worker, launcher), stamping included.
+worker, launcher), stamping included. ``--hops --configs gradbus_inproc`` stamps the cluster
+whose shard runs in the broker's process (no shard wake: the broker's loop hands it the batch).
 
 Usage: python bench/peers.py [--sizes 64K,4M,16M] [--depth 1,4,32] [--seconds 4] [--warmup 1.5]
-                             [--configs rpc,rpc_tcp,gradbus_shm,gradbus_worker_noshm,floor_shm,
-                                        floor_link]
+                             [--configs rpc,rpc_tcp,gradbus_shm,gradbus_inproc,gradbus_worker_noshm,
+                                        floor_shm,floor_link]
                              [--workers 2] [--repeat N] [--hops]
 """
 from __future__ import annotations
@@ -92,8 +95,8 @@ from floor import Samples, count_window, stop_processes  # noqa: E402
 
 CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
            "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass", "floor_inplace")
-DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_worker_noshm", "floor_shm",
-                   "floor_link")
+DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
+                   "floor_shm", "floor_link")
 REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")
 # the floors: configuration -> (transport, the shard's step) of bench/floor.py's shm pipeline
 FLOORS = {"floor_shm": ("zmq", "numpy"), "floor_link": ("link", "numpy"),
@@ -482,10 +485,11 @@ def _hops(a, size: str) -> int:
     directory = tempfile.mkdtemp(prefix="gradbus-hops-")
     run = {"bytes": throughput.SIZES[size], "depth": 1, "workers": 1, "warmup": a.warmup,
            "seconds": a.seconds}
+    config = "gradbus_inproc" if a.configs == "gradbus_inproc" else "gradbus_shm"
     try:
         with environment(GRADBUS_HOPS=directory):
             t0 = time.monotonic_ns()
-            res = measure("gradbus_shm", run)
+            res = measure(config, run)
         stamps = hops.read(directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
@@ -494,17 +498,19 @@ def _hops(a, size: str) -> int:
     done.sort(key=lambda s: s["push"])
     done = done[len(done) // 4:]          # past the start-up
     gaps: dict = collections.defaultdict(list)
+    # in one process, a wake is the broker's loop's: not a crossing to the shard and back
+    skip = {"shard_wake", "broker_wake_applied"} if config == "gradbus_inproc" else set()
     for s in done:
-        seen = [h for h in hops.HOPS if h in s]
+        seen = [h for h in hops.HOPS if h in s and h not in skip]
         for x, y in zip(seen, seen[1:]):
             gaps[(x, y)].append((s[y] - s[x]) / 1e3)
         gaps[("push", "pull_returned")].append((s["pull_returned"] - s["push"]) / 1e3)
     for (x, y), us in gaps.items():
-        print(json.dumps({"bench": "peers_hops", "size": size, "from": x, "to": y,
+        print(json.dumps({"bench": "peers_hops", "config": config, "size": size, "from": x, "to": y,
                           "median_us": round(statistics.median(us), 1),
                           "p90_us": round(float(np.percentile(us, 90)), 1), "pushes": len(us),
                           "cpus": os.cpu_count()}), flush=True)
-    print(json.dumps({"bench": "peers_hops", "size": size, "updates_per_s":
+    print(json.dumps({"bench": "peers_hops", "config": config, "size": size, "updates_per_s":
                       round(res["updates_per_s"], 1), "fresh_p50_ms": res["fresh_p50_ms"],
                       "cpu_s_per_update": _sig(res["cpu_s_per_update"]),
                       "cpu_us_per_update_by_role": res["cpu_us_per_update_by_role"]}),

@@ -36,9 +36,11 @@ IDENTITY_BYTES = 16
 class InprocShards:
     """The in-process shards, their pipes by routing identity, and their turns."""
 
-    def __init__(self, welcome):
-        """``welcome()``: the WELCOME a shard's HELLO would get (a header dict)."""
+    def __init__(self, welcome, errors):
+        """``welcome()``: the WELCOME a shard's HELLO would get (a header dict); ``errors``:
+        the broker's error counters (a shard's failure here is counted there)."""
         self._welcome = welcome
+        self.errors = errors
         self.shards: list = []
         self.pipes: dict[bytes, tuple[Pipe, object]] = {}
         self.next_turn = 0.0
@@ -70,11 +72,14 @@ class InprocShards:
         return identity in self.pipes
 
     def put(self, identity: bytes, frames) -> bool:
-        """Hand a message to the shard with ``identity``; False when none has it."""
+        """Hand a message to the shard with ``identity``; False when no pipe has it. A pipe the
+        shard closed (it is reconnecting, or stopped) drops the message, counted, as a socket
+        to a peer gone would."""
         ent = self.pipes.get(identity)
         if ent is None:
             return False
-        ent[0].put(frames)
+        if not ent[0].put(frames):
+            self.errors["send_pipe_closed"] += 1
         return True
 
     def busy(self) -> bool:
@@ -87,7 +92,7 @@ class InprocShards:
         for ident, (pipe, shard) in list(self.pipes.items()):
             for _ in range(PUMP_ROUNDS):
                 if pipe.to_shard:
-                    shard.pump()
+                    self._guarded(shard, shard.pump)
                 if not pipe.to_broker:
                     break
                 while (frames := pipe.take()) is not None:
@@ -105,11 +110,21 @@ class InprocShards:
         self.next_turn = now + TURN_EVERY
         for shard in list(self.shards):
             if not shard.stopping.is_set():
-                shard.pump()
-                shard.turn()
+                self._guarded(shard, shard.pump)
+                self._guarded(shard, shard.turn)
             if shard.stopping.is_set():
                 self.shards.remove(shard)
-                shard.close()
+                self._guarded(shard, shard.close)
+
+    def _guarded(self, shard, call) -> None:
+        """A shard's call: a bug in it is logged and counted, and takes the broker's loop
+        down no more than a shard process's bug takes its broker (the shard's own loop
+        already keeps a failing message from stopping it)."""
+        try:
+            call()
+        except Exception:
+            log.exception("the shard %s in this process failed", shard.shard_id)
+            self.errors["INTERNAL"] += 1
 
     def close(self) -> None:
         """Stop and close every shard (a clean stop: each writes its final checkpoint where

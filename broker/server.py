@@ -373,7 +373,7 @@ class BrokerServer:
             raise ValueError("a shard inside the broker's process runs without a broker pair "
                              "and without CURVE")
         if self.inproc is None:
-            self.inproc = InprocShards(self._welcome)
+            self.inproc = InprocShards(self._welcome, self.core.errors)
         return self.inproc.add(make_shard)
 
     def _welcome(self) -> dict:

@@ -209,6 +209,35 @@ def test_a_socket_naming_an_inproc_shards_identity_takes_nothing():
     assert not thread.is_alive()
 
 
+def test_a_failing_inproc_shard_is_counted_and_the_broker_serves_on():
+    srv = BrokerServer("127.0.0.1", 0)
+    shard = srv.add_shard(lambda connect: ShardServer(srv.url, "s0", ctx=srv.ctx,
+                                                      connect=connect))
+    turn, failures = shard.turn, []
+
+    def failing_turn():          # a bug in the shard's housekeeping, a few times
+        if len(failures) < 3:
+            failures.append(1)
+            raise RuntimeError("a bug")
+        turn()
+    shard.turn = failing_turn
+    thread = srv.start_thread()
+    try:
+        wait_for(lambda: len(failures) == 3, 30, "the shard's turns to fail")
+        st = wait_for(lambda: (s := admin.status(srv.url))["errors"].get("INTERNAL", 0) >= 3
+                      and s, 30, "the failures to be counted")
+        assert [s["id"] for s in st["shards"] if s["alive"]] == ["s0"]
+        with gradbus.connect(srv.url) as c:        # and it still applies pushes
+            c.init({"w": np.zeros(16, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+            ack = c.push({"w": np.ones(16, np.float32)}).result(30)
+            assert np.array_equal(c.pull(["w"], min_version=ack["ver"], timeout=30)["w"],
+                                  np.full(16, -1.0, np.float32))
+    finally:
+        srv.stop()
+        thread.join(30)
+    assert not thread.is_alive()
+
+
 def test_an_inproc_shard_is_refused_with_curve(tmp_path):
     security.generate(tmp_path, "broker")
     curve = security.Curve.from_files(str(tmp_path / "broker.key_secret"),

@@ -214,6 +214,38 @@ def test_a_sigkilled_shard_is_started_again_from_its_checkpoint(up, tmp_path):
     assert u.proc.wait(30) == 0, u.stderr()
 
 
+def test_a_sigkilled_broker_with_inproc_shards_comes_back_from_their_checkpoints(up, tmp_path):
+    # the shards die with the broker: what was acknowledged after their newest checkpoint is
+    # lost (operations.md, "Shards inside the broker's process"), the rest comes back
+    data = tmp_path / "data"
+    u = up("--shards", "2", "--inproc", "--data-dir", str(data))
+    url = u.ready()
+    first = u.children()
+    assert set(first) == {"broker"}                 # no shard process
+    w0 = np.full(3000, 1.0, np.float32)
+    with gradbus.connect(url, block_bytes=2048) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=LR))
+        for _ in range(10):
+            c.push({"w": np.ones_like(w0)}).result(10)
+        paths = sorted(r["path"] for r in admin.checkpoint(url))
+        assert [p.startswith(str(data / f"shard-{i}")) for i, p in enumerate(paths)] == [True] * 2
+        for _ in range(5):                           # acknowledged, not checkpointed
+            c.push({"w": np.ones_like(w0)}).result(10)
+    os.kill(first["broker"], signal.SIGKILL)
+    wait_for(lambda: u.children().get("broker") not in (None, first["broker"]), 30,
+             "up to start the broker again")
+    wait_for(lambda: _alive(url) == 2 and not admin.status(url)["partitions_down"], 30,
+             "the shards back with their partitions")
+    with gradbus.connect(url) as c:
+        assert np.array_equal(c.pull(["w"], timeout=30)["w"], w0 - 10 * LR)
+        ack = c.push({"w": np.ones_like(w0)}).result(20)
+        w = c.pull(["w"], min_version=ack["ver"], timeout=30)["w"]
+    assert np.array_equal(w, w0 - 11 * LR)
+    assert "broker exited with -9; starting it again" in u.stderr()
+    u.proc.send_signal(signal.SIGTERM)
+    assert u.proc.wait(30) == 0, u.stderr()
+
+
 def test_a_broker_that_keeps_dying_makes_up_give_up_non_zero(up):
     u = up("--shards", "1", "--max-restarts", "2")
     u.ready()

@@ -19,6 +19,7 @@ from gradbus import admin
 from gradbus.broker.server import BrokerServer
 from gradbus.cluster import LocalCluster
 from gradbus.codecs import security, wire
+from gradbus.codecs.errors import Code
 from gradbus.codecs.pipe import Pipe
 from gradbus.shards import checkpoint
 from gradbus.shards.server import ShardServer
@@ -181,6 +182,21 @@ def test_inproc_shards_checkpoint_at_the_stop_and_start_from_it(tmp_path):
         with gradbus.connect(cluster.url) as c:
             w = c.pull(["w"], timeout=30)["w"]
     assert np.array_equal(w, np.full(N, -15.0, np.float32))
+
+
+def test_a_shard_process_named_like_a_live_inproc_shard_is_refused(make_cluster):
+    cluster = make_cluster(1, inproc=True)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(N, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        c.push({"w": np.ones(N, np.float32)}).result(30)
+        cluster.add_shard("shard-0")            # the operator's mistake: a second shard-0
+        wait_for(lambda: admin.status(cluster.url)["errors"].get(
+            Code.SHARD_ID_IN_USE.value, 0) >= 1, 60, "the impostor's REGISTER refused")
+        ack = c.push({"w": np.ones(N, np.float32)}).result(30)
+        w = c.pull(["w"], min_version=ack["ver"], timeout=30)["w"]
+    assert np.array_equal(w, np.full(N, -2.0, np.float32))     # the inproc shard kept it all
+    shards = admin.status(cluster.url)["shards"]
+    assert [(s["id"], s["alive"]) for s in shards] == [("shard-0", True)]
 
 
 # -- in one process: a socket naming an inproc shard's identity, and refusals ------------------

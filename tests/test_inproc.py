@@ -9,13 +9,14 @@ from __future__ import annotations
 import collections
 import subprocess
 import sys
+import urllib.request
 
 import numpy as np
 import pytest
 import zmq
 
 import gradbus
-from gradbus import admin
+from gradbus import admin, metrics
 from gradbus.broker.server import BrokerServer
 from gradbus.cluster import LocalCluster
 from gradbus.codecs import security, wire
@@ -197,6 +198,24 @@ def test_a_shard_process_named_like_a_live_inproc_shard_is_refused(make_cluster)
     assert np.array_equal(w, np.full(N, -2.0, np.float32))     # the inproc shard kept it all
     shards = admin.status(cluster.url)["shards"]
     assert [(s["id"], s["alive"]) for s in shards] == [("shard-0", True)]
+
+
+def test_inproc_shards_serve_their_own_metrics(make_cluster):
+    cluster = make_cluster(2, inproc=True, metrics_port=0)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(N, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        c.push({"w": np.ones(N, np.float32)}).result(30)
+    urls = wait_for(lambda: len(u := admin.status(cluster.url)["metrics_urls"]) == 3 and u,
+                    30, "the broker's and both shards' metrics URLs")
+    assert sorted(urls) == ["broker", "shard-0", "shard-1"]
+    applied = 0.0
+    for sid in ("shard-0", "shard-1"):
+        with urllib.request.urlopen(urls[sid], timeout=10) as r:
+            text = r.read().decode()
+        assert "gradbus_shard_" in text
+        applied += sum(v for k, v in metrics.parse(text).items()
+                       if k.startswith("gradbus_shard_pushes_applied_total"))
+    assert applied == 1.0                      # the one push, counted by the shard holding w
 
 
 # -- in one process: a socket naming an inproc shard's identity, and refusals ------------------

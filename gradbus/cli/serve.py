@@ -125,17 +125,22 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
                             expect_shards=expect_shards, shm=shm, pair=pair, **pair_kw,
                             **log_kw)
     srv = None
+    exporters = [exporter] if exporter else []    # the broker's, then each inproc shard's
     try:
         srv = start()
         for i in range(inproc_shards):
-            _inproc_shard(srv, f"shard-{i}", shm=shm, heartbeat_interval=heartbeat_interval,
-                          liveness=liveness, data_dir=data_dir,
-                          checkpoint_interval=checkpoint_interval)
+            shard = _inproc_shard(srv, f"shard-{i}", shm=shm,
+                                  heartbeat_interval=heartbeat_interval, liveness=liveness,
+                                  data_dir=data_dir, checkpoint_interval=checkpoint_interval)
+            if exporter:    # as `up` numbers them: shard i on PORT+1+i (0: free ports)
+                exporters.append(opts.exporter(metrics_port + 1 + i if metrics_port else 0,
+                                               metrics_host, f"{shard.shard_id}-metrics"))
+                shard.on_metrics, shard.metrics_url = exporters[-1].update, exporters[-1].url
     except Exception as e:
         if srv is not None:
             srv.close()
-        if exporter:
-            exporter.close()
+        for exp in exporters:
+            exp.close()
         raise click.ClickException(f"cannot start broker: {e}")
     stop = threading.Event()
     opts.on_signals(lambda: (stop.set(), srv.stop()))
@@ -157,8 +162,8 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, shar
             pair_kw["peer_port"] = srv.pair_link.port
             srv = start(srv.pair)
     finally:
-        if exporter:
-            exporter.close()
+        for exp in exporters:
+            exp.close()
         if log_kw.get("log"):
             log_kw["log"].close()
 

@@ -415,8 +415,7 @@ class BrokerServer:
                     timeout = 0.0
                 inproc = self.inproc
                 if inproc is not None:
-                    inproc.turn(now)
-                    self._pump()
+                    inproc.turn(now)      # what it sends is pumped after the reads below
                     if inproc.busy():
                         timeout = 0.0
                 events = dict(poller.poll(min(timeout, 0.05) * 1000))

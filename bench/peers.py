@@ -18,6 +18,9 @@ sends the next:
                           that include the push
     gradbus_inproc        ``gradbus up --shards 1 --inproc``: the shard runs inside the broker's
                           process (one server process, as RPC's), the workers as ``gradbus_shm``
+    gradbus_inproc_spin   ``gradbus_inproc`` with GRADBUS_BROKER_SPIN_US=200: the broker's loop
+                          polls without sleeping for 200 us after a turn with messages (an
+                          operator's setting, off by default; not run by default)
     gradbus_worker_noshm  the same with GRADBUS_SHM=0 in the workers (workers on other hosts)
     gradbus_shm_copy      ``gradbus_shm`` with GRADBUS_BOARD_STEP=0: the shard steps its weights
                           in place, then copies them onto its board, where ``gradbus_shm`` steps
@@ -93,8 +96,8 @@ import floor  # noqa: E402  (the shm pipeline, the window, the samples, the proc
 import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
-CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
-           "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass", "floor_inplace")
+CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_inproc_spin",
+           "gradbus_worker_noshm", "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass", "floor_inplace")
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
                    "floor_shm", "floor_link")
 REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")
@@ -264,18 +267,22 @@ def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
-                   pids: dict | None = None, board_step: bool = True, inproc: bool = False):
+                   pids: dict | None = None, board_step: bool = True, inproc: bool = False,
+                   spin_us: int = 0):
     """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
     workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. Without
     ``board_step`` the shard copies its weights onto its board after each step (so does
     ``GRADBUS_BOARD_STEP=0`` in the environment, e.g. for ``--hops``). With ``hosts``
     (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
-    and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`."""
+    and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`; ``spin_us``: the
+    broker's spin (``--spin-us``)."""
     ctx = mp.get_context("spawn")
     up, procs = None, []
     env = {**os.environ, "GRADBUS_SHM": "1"}
     if not board_step:
         env["GRADBUS_BOARD_STEP"] = "0"
+    if spin_us:
+        env["GRADBUS_BROKER_SPIN_US"] = str(spin_us)
     if run.get("weights_codec"):
         env["GRADBUS_SHARD_WEIGHTS_CODEC"] = run["weights_codec"]
     cmd = [sys.executable, "-m", "gradbus", "up", "--shards", str(run.get("shards", 1))]
@@ -327,11 +334,13 @@ def start(config: str, run: dict, counters, stop, lat):
     if config in ("rpc", "rpc_tcp", "rpc_clone"):
         return rpc_config(run, counters, stop, lat, tcp_only=config == "rpc_tcp",
                           clone=config == "rpc_clone")
-    if config in ("gradbus_shm", "gradbus_worker_noshm", "gradbus_shm_copy", "gradbus_inproc"):
+    if config in ("gradbus_shm", "gradbus_worker_noshm", "gradbus_shm_copy", "gradbus_inproc",
+                  "gradbus_inproc_spin"):
         return gradbus_config(run, counters, stop, lat,
                               "0" if config == "gradbus_worker_noshm" else "1",
                               board_step=config != "gradbus_shm_copy",
-                              inproc=config == "gradbus_inproc")
+                              inproc=config.startswith("gradbus_inproc"),
+                              spin_us=200 if config == "gradbus_inproc_spin" else 0)
     if config in FLOORS:
         return _floor(run, counters, stop, lat, *FLOORS[config])
     raise ValueError(f"unknown configuration {config!r}")

@@ -71,16 +71,20 @@ class BrokerServer:
                  ctx: zmq.Context | None = None, curve: security.Curve | None = None,
                  on_metrics=None, log: ulog.UpdateLog | None = None, fault_drop: float = 0.0,
                  fault_seed: int = 0, shm: bool | None = None, peer: str | None = None,
-                 peer_port: int = 0, pair: Pair | None = None, **core_kw):
+                 peer_port: int = 0, pair: Pair | None = None, spin: float = 0.0, **core_kw):
         """``log``: the update log to write (batches, as they go out); ``shm``: offer shared
         memory to clients and shards on this host (None: ``$GRADBUS_SHM``, else on);
         ``peer``: the pair address of this broker's peer (a broker pair, protocol section
         23), this broker's own bound on ``peer_port``; ``pair``: the pair state a deposed
-        broker's loop left (it starts again as the standby); ``core_kw``: the core's
+        broker's loop left (it starts again as the standby); ``spin``: seconds the loop polls
+        without sleeping after a turn that had messages (0: it sleeps at once); ``core_kw``: the core's
         (partitions, replay, and the fields of :class:`~.settings.Settings`)."""
         self.clock = clock
         self.on_metrics = on_metrics   # called with a metrics snapshot every tick
         self.batch_window = batch_window
+        if spin < 0:
+            raise ValueError("spin must be >= 0 seconds")
+        self.spin = spin
         self.log = log
         if log is not None:
             core_kw["log_fsync"] = log.fsync
@@ -405,6 +409,7 @@ class BrokerServer:
         tick_every = self.core.settings.heartbeat_interval / 2
         next_tick = self.clock()
         first_pending = None
+        spin = 0.0       # after a turn with messages: the next ones often follow at once
         try:
             while not self.stopping.is_set():
                 now = self.clock()
@@ -418,7 +423,8 @@ class BrokerServer:
                     inproc.turn(now)      # what it sends is pumped after the reads below
                     if inproc.busy():
                         timeout = 0.0
-                events = dict(poller.poll(min(timeout, 0.05) * 1000))
+                events = net.poll_spinning(poller, min(timeout, 0.05), spin)
+                spin = self.spin if events else 0.0
                 if hops.ON:
                     hops.woke()
                 if pair_socks and any(s in events for s in pair_socks):

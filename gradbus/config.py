@@ -128,6 +128,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("broker", "batch_window", click.FloatRange(0, 1), 0.0,
             "Seconds to wait gathering pushes into a batch (0: batch what arrived together).",
             feeds=("broker --batch-window",)),
+    Setting("broker", "spin_us", click.IntRange(0, 100_000), 0,
+            "Microseconds the broker's loop polls without sleeping after a turn with messages "
+            "(0: it sleeps at once); shortens a round trip where a core is spare, burns it.",
+            feeds=("broker --spin-us",)),
     Setting("broker", "shard_credit", click.IntRange(1, 1024), SHARD_CREDIT,
             "Batches in flight to one shard.", feeds=("broker --shard-credit",)),
     Setting("broker", "max_pending_mb", click.IntRange(1), 512,

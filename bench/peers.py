@@ -97,7 +97,8 @@ import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
 CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_inproc_spin",
-           "gradbus_worker_noshm", "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass", "floor_inplace")
+           "gradbus_worker_noshm", "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass",
+           "floor_inplace")
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
                    "floor_shm", "floor_link")
 REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")

@@ -77,8 +77,8 @@ class BrokerServer:
         ``peer``: the pair address of this broker's peer (a broker pair, protocol section
         23), this broker's own bound on ``peer_port``; ``pair``: the pair state a deposed
         broker's loop left (it starts again as the standby); ``spin``: seconds the loop polls
-        without sleeping after a turn that had messages (0: it sleeps at once); ``core_kw``: the core's
-        (partitions, replay, and the fields of :class:`~.settings.Settings`)."""
+        without sleeping after a turn that had messages (0: it sleeps at once); ``core_kw``:
+        the core's (partitions, replay, and the fields of :class:`~.settings.Settings`)."""
         self.clock = clock
         self.on_metrics = on_metrics   # called with a metrics snapshot every tick
         self.batch_window = batch_window

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import collections
 
+import zmq
+
 from .link import byte_view as _view
 
 
@@ -74,7 +76,6 @@ class ShardEnd:
     def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> list:
         if self.pipe.to_shard:
             return self.pipe.to_shard.popleft()
-        import zmq
         raise zmq.Again()
 
     def poll(self, timeout: int | None = None, flags: int = 1) -> int:

@@ -70,6 +70,25 @@ def wait_for(cond, timeout: float = 10.0, what: str = "condition"):
         time.sleep(0.02)
 
 
+def run_in_threads(target, count: int, timeout: float = 120.0) -> list[BaseException]:
+    """Run ``target(i)`` for i in range(count), each in a thread of its own, and join them;
+    what they raised (the test asserts there is nothing)."""
+    errors: list[BaseException] = []
+
+    def run(i):
+        try:
+            target(i)
+        except BaseException as e:      # reported by the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
+
+
 def gradbus_segments(directory: str) -> list[str]:
     """The gradbus shared-memory segments in ``directory``."""
     return sorted(n for n in os.listdir(directory) if shm.owned(n) is not None)

@@ -10,6 +10,8 @@ import pytest
 
 import gradbus
 
+from .rigs import run_in_threads
+
 LR = 2.0 ** -4
 N = 1 << 14          # 64 KiB of float32: one block
 
@@ -25,27 +27,20 @@ def test_workers_get_their_own_pushs_weights_not_every_update(make_cluster, bloc
     with gradbus.connect(cluster.url, shm=False, block_bytes=block_bytes) as c0:
         c0.init({"w": np.zeros(N, np.float32)}, optimizer=gradbus.SGD(lr=LR))
     barrier = threading.Barrier(W)
-    stats, errors = [None] * W, []
+    stats = [None] * W
 
     def worker(i):
-        try:
-            with gradbus.connect(cluster.url, shm=False) as c:
-                c.pull(["w"], timeout=30)
-                barrier.wait(30)
-                g = np.ones(N, np.float32)
-                for _ in range(pushes):
-                    ack = c.push({"w": g}).result(30)
-                    w = c.pull(["w"], min_version=ack["ver"], timeout=30)["w"]
-                    assert np.all(w <= -LR * ack["ver"] + 1e-6)
-                stats[i] = dict(c.stats)
-        except BaseException as e:      # reported by the test's thread
-            errors.append(e)
+        with gradbus.connect(cluster.url, shm=False) as c:
+            c.pull(["w"], timeout=30)
+            barrier.wait(30)
+            g = np.ones(N, np.float32)
+            for _ in range(pushes):
+                ack = c.push({"w": g}).result(30)
+                w = c.pull(["w"], min_version=ack["ver"], timeout=30)["w"]
+                assert np.all(w <= -LR * ack["ver"] + 1e-6)
+            stats[i] = dict(c.stats)
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(W)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = run_in_threads(worker, W)
     assert not errors, errors
     for s in stats:
         assert s["pushes_acked"] == pushes

@@ -54,7 +54,11 @@ def test_every_process_stamps_every_hop_in_order(make_cluster, tmp_path, monkeyp
 
 def test_a_wake_stamps_the_time_its_thread_woke(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADBUS_HOPS", str(tmp_path))
-    hops.stamp_woke("shard_wake", 5)            # this thread never woke: nothing
+    # a thread whose loop never woke stamps nothing (a fresh one: a client's caller waiting in
+    # result() notes its wakes on the thread it runs on, this one in an earlier test)
+    fresh = threading.Thread(target=hops.stamp_woke, args=("shard_wake", 5))
+    fresh.start()
+    fresh.join()
     assert hops.read(str(tmp_path)) == {}
     hops.woke()
     seen = {}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 
 import zmq
@@ -27,6 +28,7 @@ from gradbus.codecs.errors import ClosedError, GradbusError
 
 from .actions import Reconnect, Subscribe, Unsubscribe
 from .agent_state import AgentState, Send
+from .reader import LinkReader
 
 log = logging.getLogger("gradbus.client")
 
@@ -36,7 +38,7 @@ DRAIN_BATCH = 256            # messages read from one socket before the others g
 
 class Agent(threading.Thread):
     def __init__(self, ctx: zmq.Context, client_id: bytes, state: AgentState,
-                 lock: threading.Lock):
+                 lock: threading.Lock, spin: float = 0.0):
         super().__init__(name=f"gradbus-agent-{client_id.hex()[:8]}", daemon=True)
         self.ctx, self.client_id, self.state = ctx, client_id, state
         self.lock = lock       # the user threads' lock around submit()
@@ -59,6 +61,9 @@ class Agent(threading.Thread):
         self.topics: set[bytes] = set()
         self._curve = self._curve_configure = None
         self._poller: zmq.Poller | None = None
+        self._link_flags = 0
+        # the turn around ``state``, and the link lent to callers waiting for their pushes
+        self.reader = LinkReader(self, spin)
 
     # called from user threads, under ``lock``
     def submit(self, cmd) -> None:
@@ -69,6 +74,17 @@ class Agent(threading.Thread):
         if not self.wake_pending:
             self.wake_pending = True
             self.pipe_out.send(b"", zmq.NOBLOCK)
+
+    def wake(self) -> None:
+        """Wake the agent for what a caller's turn left it (see :mod:`.reader`); nothing once
+        it stopped."""
+        with self.lock:
+            if not self.wake_pending and not self.pipe_out.closed:
+                self.wake_pending = True
+                try:
+                    self.pipe_out.send(b"", zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
 
     def note(self, cmd) -> None:
         """Queue ``cmd`` without waking the agent (its answer will): a push a user's thread
@@ -131,22 +147,32 @@ class Agent(threading.Thread):
         poller = self._poller = zmq.Poller()
         poller.register(self.pipe_in, zmq.POLLIN)
         self._register(poller)
-        state, cmds = self.state, self.cmds
-        link_flags = 0
+        state, cmds, reader = self.state, self.cmds, self.reader
+        reader.take()
         try:
             while not state.stopped:
                 lnk = self.link
                 timeout = state.poll_ms
                 if lnk is not None:
-                    flags = net.POLLIN | (net.POLLOUT if lnk.pending else 0)
-                    if flags != link_flags:
-                        poller.register(lnk.fd, flags)
-                        link_flags = flags
+                    # callers waiting for their pushes read the link: an answer wakes them
+                    # alone, and the agent takes the link back at its first turn without them
+                    lent = reader.lent_for()
+                    flags = (0 if lent is not None else net.POLLIN) | \
+                        (net.POLLOUT if lnk.pending else 0)
+                    if flags != self._link_flags:
+                        poller.register(lnk.fd, flags)     # 0: unregistered
+                        self._link_flags = flags
                     if lnk.buffered:
                         timeout = 0
-                elif link_flags:
-                    link_flags = 0
-                ready = dict(poller.poll(timeout))
+                    elif lent is not None:
+                        timeout = min(timeout, math.ceil(lent * 1000))
+                elif self._link_flags:
+                    self._link_flags = 0
+                reader.give()
+                try:
+                    ready = dict(poller.poll(timeout))
+                finally:
+                    reader.take()
                 if hops.ON:
                     hops.woke()
                 if self.watch is not None and self.watch.mon in ready:
@@ -188,7 +214,11 @@ class Agent(threading.Thread):
             self.error = e
             log.exception("client agent failed")
         finally:
-            self._shut()
+            try:
+                self._shut()
+            finally:
+                reader.give()
+                reader.notify()
 
     def _shut(self) -> None:
         err = self.error or ClosedError("client closed")
@@ -271,26 +301,54 @@ class Agent(threading.Thread):
             elif t is Reconnect:
                 self._reconnect(a.why)
 
-    def _drain_link(self, lnk: link.Link, poller: zmq.Poller) -> None:
+    def _read_link(self, lnk: link.Link) -> int:
+        """Take the whole messages on the link (:data:`DRAIN_BATCH` at most) to the state;
+        how many. Under the turn; raises :class:`link.LinkClosed`."""
         state, cmds = self.state, self.cmds
+        n = 0
+        for n in range(1, DRAIN_BATCH + 1):
+            frames = lnk.recv()
+            if frames is None:
+                return n - 1
+            # a push a user's thread wrote on the link was noted before it was written:
+            # its answer is read only once the note is taken (else no Future waits for it)
+            while cmds:
+                state.command(cmds.popleft())
+            state.heard()
+            state.reply(frames)
+        return n
+
+    def _drain_link(self, lnk: link.Link, poller: zmq.Poller) -> None:
         try:
-            for _ in range(DRAIN_BATCH):
-                frames = lnk.recv()
-                if frames is None:
-                    break
-                # a push a user's thread wrote on the link was noted before it was written:
-                # its answer is read only once the note is taken (else no Future waits for it)
-                while cmds:
-                    state.command(cmds.popleft())
-                state.heard()
-                state.reply(frames)
+            if self._read_link(lnk) and self.reader.lent:
+                self.reader.notify()    # a caller may be asleep on what was just read
         except link.LinkClosed:
             log.warning("the local link to the broker closed; going on over TCP")
             self.link = None
-            poller.unregister(lnk.fd)
+            if self._link_flags:
+                poller.unregister(lnk.fd)
+                self._link_flags = 0
             lnk.close()
-            state.link_lost()
+            self.state.link_lost()
         self._act()
+
+    def read_for_caller(self, lnk: link.Link) -> bool:
+        """A waiting caller's turn (see :mod:`.reader`): read the link, and send what goes
+        back on it; what needs the agent's sockets waits for the agent, woken. False when the
+        link closed (left to the agent, woken, which goes on over TCP)."""
+        state = self.state
+        try:
+            state.stats["link_reads_by_callers"] += self._read_link(lnk)
+        except link.LinkClosed:
+            self.wake()
+            return False
+        acts = state.take()
+        for i, a in enumerate(acts):
+            if type(a) is not Send or not lnk.send(a.frames):
+                state.out = acts[i:] + state.out
+                self.wake()
+                break
+        return True
 
     def _drain(self, sock, handler) -> None:
         for _ in range(DRAIN_BATCH):

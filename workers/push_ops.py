@@ -15,6 +15,7 @@ from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.partition import partition_of
 
 from .commands import Forward, SendMessage
+from .reader import ReadingFuture
 
 
 class PushMethods:
@@ -130,7 +131,8 @@ class PushMethods:
                                self._ids.__next__, self._check_open, self.stats)
         if t_in is not None:
             hops.stamp("push", msg, t_in)
-        fut: Future = Future()
+        # its waiter reads the answer off the local link itself (workers/reader.py)
+        fut: Future = ReadingFuture(self.agent.reader) if acks else Future()
         # conflated delivery: the push's own weights come back for these partitions
         parts = frozenset(partition_of(d["k"], self.partitions) for d in descs
                           if "ids" not in d) if self.shm is None else frozenset()

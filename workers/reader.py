@@ -1,0 +1,200 @@
+"""A caller waiting for its push's answer reads the local link itself.
+
+Without this, the answer to a push wakes two threads in turn: the agent, which reads the link
+and resolves the Future, then the caller, which was waiting on it. A caller that waits in
+``result()`` (or ``exception()``) of a push's Future reads the link in its own thread instead,
+while the agent sleeps: one wake-up per round trip instead of two, and no hand-over of the
+interpreter lock between them (``bench/peers.py --hops``; docs/performance.md).
+
+Everything the agent decides lives in its :class:`~.agent_state.AgentState`, which is not
+thread-safe; :attr:`LinkReader.turn` is the lock around it. The agent holds the turn whenever it
+is not sleeping in its poll. Only a holder of the turn resolves a push's Future, so a waiting
+caller waits for the turn; holding it, it takes every whole message on the link to the state
+and carries out what goes back on the link. What needs the agent's sockets (a send on the
+DEALER, a subscription, a reconnect) is left to the agent, which is woken for it.
+
+While callers read the link, and for :data:`LEND_TICK` after the last one left it (the next
+push's caller comes soon), the agent polls without the link's fd, so an answer wakes the caller
+alone; the agent still wakes every :data:`LEND_TICK`, and takes the link back at its first turn
+after that. A caller that leaves while other answers are due gives the link back at once and
+wakes the agent, so an answer nobody waits for in ``result()`` (a callback, or
+``concurrent.futures.wait``) waits :data:`LEND_TICK` at the most. When the agent reads answers
+while the link is lent (it was still polling the link as a caller came), it wakes the callers
+asleep on the link through a pipe, since the bytes they wait for are gone.
+
+``spin`` (seconds, the client's ``spin_us``): the caller polls the link without sleeping for
+that long before it blocks, for a round trip shorter by the kernel's wake-up, at the cost of a
+core while it waits.
+"""
+from __future__ import annotations
+
+import math
+import os
+import select
+import threading
+import time
+from concurrent import futures
+
+from gradbus.codecs import hops
+
+LEND_TICK = 0.005       # seconds the agent sleeps at most while callers read the link
+
+
+class ReadingFuture(futures.Future):
+    """A push's Future whose waiter reads the link (see the module) before it blocks."""
+
+    def __init__(self, reader: "LinkReader"):
+        super().__init__()
+        self._reader = reader
+
+    def result(self, timeout: float | None = None):
+        return super().result(self._read(timeout))
+
+    def exception(self, timeout: float | None = None):
+        return super().exception(self._read(timeout))
+
+    def _read(self, timeout: float | None) -> float | None:
+        """Read until this Future is resolved or ``timeout`` passes; the time left."""
+        if self.done():
+            return timeout
+        t0 = time.monotonic()
+        self._reader.wait(self, timeout)
+        return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+
+
+class LinkReader:
+    """The turn around the agent's state, and the link lent to the callers that wait.
+
+    ``agent``: needs ``link``, ``state`` and ``read_for_caller(link)`` (the caller's turn: the
+    link read, what goes back on it sent; False when the link closed) and ``wake()``."""
+
+    def __init__(self, agent, spin: float = 0.0):
+        if spin < 0:
+            raise ValueError("spin must be >= 0")
+        self.agent = agent
+        self.spin = spin
+        self.turn = threading.Lock()
+        self.owner: int | None = None       # the thread holding the turn
+        self.readers = 0                    # callers reading the link now
+        self.until = 0.0                    # the link is lent until then (monotonic) too
+        self._count = threading.Lock()
+        self._wake: tuple[int, int] | None = None   # the wake-up pipe, made at the first sleep
+        self._closed = False
+
+    def lent_for(self) -> float | None:
+        """Seconds the link stays lent to callers (they read it, or one left it less than
+        :data:`LEND_TICK` ago: the next will come): the agent polls without it meanwhile, and
+        no longer than that. None: the agent reads it."""
+        if self.readers:
+            return LEND_TICK
+        left = self.until - time.monotonic()
+        return left if left > 0 else None
+
+    @property
+    def lent(self) -> bool:
+        return self.lent_for() is not None
+
+    def take(self) -> None:
+        """The agent's turn (blocking)."""
+        self.turn.acquire()
+        self.owner = threading.get_ident()
+
+    def give(self) -> None:
+        self.owner = None
+        self.turn.release()
+
+    def notify(self) -> None:
+        """The agent read answers from the link while callers read it: a caller about to sleep
+        on the link's fd (the bytes it waited for already taken) wakes and looks again."""
+        wake = self._wake
+        if wake is None or self._closed:
+            return      # no caller ever slept on the link
+        try:
+            os.write(wake[1], b"\0")
+        except (BlockingIOError, OSError):
+            pass        # full (a wake is pending anyway), or closed
+
+    def close(self) -> None:
+        """Close the wake-up pipe (the agent has stopped: nothing notifies any more)."""
+        with self._count:
+            if self._closed:
+                return
+            self._closed = True
+        for fd in self._wake or ():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def _wake_fd(self) -> int | None:
+        """The read end of the wake-up pipe, made now if it is not yet; None once closed."""
+        with self._count:
+            if self._closed:
+                return None
+            if self._wake is None:
+                r, w = os.pipe()
+                os.set_blocking(r, False)
+                os.set_blocking(w, False)
+                self._wake = (r, w)
+            return self._wake[0]
+
+    def wait(self, fut: futures.Future, timeout: float | None) -> None:
+        """Read the link until ``fut`` is resolved, ``timeout`` passes, or the link is gone
+        (the caller then waits on the Future as without a link). Only a holder of the turn
+        resolves a push's Future, so waiting for the turn is waiting for the answer too."""
+        agent = self.agent
+        lnk = agent.link
+        if lnk is None or self.owner == threading.get_ident():
+            return    # no link, or called from the turn itself (a done-callback)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        spin_end = time.monotonic() + self.spin
+        with self._count:
+            self.readers += 1
+        poller = None
+        try:
+            while not fut.done():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return
+                if not self.turn.acquire(timeout=-1 if left is None else left):
+                    return
+                self.owner = threading.get_ident()
+                try:
+                    if fut.done() or agent.link is not lnk or agent.state.stopped:
+                        return      # answered in the agent's turn, or no link to read
+                    if not agent.read_for_caller(lnk):
+                        return
+                finally:
+                    self.owner = None
+                    self.turn.release()
+                if fut.done():
+                    return
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(lnk.fd, select.POLLIN)
+                    wake_r = self._wake_fd()
+                    if wake_r is not None:
+                        poller.register(wake_r, select.POLLIN)
+                if time.monotonic() < spin_end:
+                    ms = 0
+                else:
+                    ms = math.ceil(1000 * (LEND_TICK if left is None else min(LEND_TICK, left)))
+                for fd, _ in poller.poll(ms):
+                    if fd != lnk.fd:
+                        try:
+                            os.read(fd, 4096)
+                        except OSError:
+                            pass
+                if hops.ON:
+                    hops.woke()
+        finally:
+            state = agent.state
+            with self._count:
+                self.readers -= 1
+                due = not self.readers and bool(state.msg_futures or state.req_futures
+                                                 or lnk.buffered)
+                # answers still due: the agent takes the link back now; else it waits a while
+                # for the next caller before it does
+                self.until = 0.0 if due else time.monotonic() + LEND_TICK
+            if due:
+                agent.wake()

@@ -13,7 +13,7 @@ import pytest
 
 import gradbus
 from gradbus import admin
-from gradbus.workers.reader import LEND_TICK, LinkReader, ReadingFuture
+from gradbus.workers.reader import LEND, LinkReader, ReadingFuture
 
 from .rigs import run_in_threads, wait_for
 
@@ -98,7 +98,7 @@ def test_the_waiting_caller_reads_its_answer_holding_the_turn(agent):
     assert {t for t, _ in agent.turns} == {threading.get_ident()}
     assert agent.reader.readers == 0 and agent.reader.owner is None
     # nothing else was due: the link stays lent a while for the next caller, not for ever
-    assert agent.wakes == 0 and 0 < agent.reader.lent_for() <= LEND_TICK
+    assert agent.wakes == 0 and 0 < agent.reader.lent_for() <= LEND
     wait_for(lambda: not agent.reader.lent, 5, "the link to be taken back")
 
 

@@ -378,6 +378,7 @@ class Client(PushMethods, TableMethods):
                     have = {n: self.cache.version(n) for n in names if n in self.cache.layouts}
                     raise TimeoutError(f"weights not at version {min_version} after "
                                        f"{timeout}s (have {have})")
+                self.agent.reader.recall()      # the answers it waits for: the agent's to read
                 self._cond.wait(min(left, 0.1))
 
     def _refresh_rewritten(self, names: list, got: dict) -> None:
@@ -439,6 +440,7 @@ class Client(PushMethods, TableMethods):
 
     def _wait_acked(self, timeout: float | None) -> None:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        self.agent.reader.recall()
         with self._cond:
             while self.credit.held:
                 if self.agent.error is not None:

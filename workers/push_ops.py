@@ -127,6 +127,8 @@ class PushMethods:
         """Take credit for an encoded push and hand it to the agent; returns its Future.
         ``own``: gradient buffers it sends in place (name -> reservation)."""
         nbytes = sum(d["n"] for d in descs)
+        if self.credit.full(nbytes):
+            self.agent.reader.recall()      # the answers that free credit: the agent's to read
         msg = self.credit.take(nbytes, self.timeout if timeout is None else timeout,
                                self._ids.__next__, self._check_open, self.stats)
         if t_in is not None:

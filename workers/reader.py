@@ -37,7 +37,8 @@ from concurrent import futures
 
 from gradbus.codecs import hops
 
-LEND_TICK = 0.005       # seconds the agent sleeps at most while callers read the link
+LEND = 0.005            # seconds the link stays lent after the last caller left it
+CALLER_TICK = 0.1       # seconds a waiting caller sleeps at most before it looks again
 
 
 class ReadingFuture(futures.Future):
@@ -46,6 +47,11 @@ class ReadingFuture(futures.Future):
     def __init__(self, reader: "LinkReader"):
         super().__init__()
         self._reader = reader
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(fn)
+        if not self.done():
+            self._reader.recall()       # answered by the agent, which must read the link
 
     def result(self, timeout: float | None = None):
         return super().result(self._read(timeout))
@@ -82,11 +88,12 @@ class LinkReader:
         self._closed = False
 
     def lent_for(self) -> float | None:
-        """Seconds the link stays lent to callers (they read it, or one left it less than
-        :data:`LEND_TICK` ago: the next will come): the agent polls without it meanwhile, and
-        no longer than that. None: the agent reads it."""
+        """How long the link stays lent to callers, who read it (the agent polls without it
+        meanwhile): ``math.inf`` while one reads it (it reads whatever comes), else the seconds
+        left of :data:`LEND` after the last one left (the next may come); None: the agent reads
+        it."""
         if self.readers:
-            return LEND_TICK
+            return math.inf
         left = self.until - time.monotonic()
         return left if left > 0 else None
 
@@ -102,6 +109,14 @@ class LinkReader:
     def give(self) -> None:
         self.owner = None
         self.turn.release()
+
+    def recall(self) -> None:
+        """A thread is about to wait for answers without reading the link (``flush()``, a
+        full credit window, a ``pull`` waiting for a version, a done-callback added): the
+        agent takes the link back now if no caller reads it."""
+        if self.readers == 0 and self.until:
+            self.until = 0.0
+            self.agent.wake()
 
     def notify(self) -> None:
         """The agent read answers from the link while callers read it: a caller about to sleep
@@ -178,7 +193,8 @@ class LinkReader:
                 if time.monotonic() < spin_end:
                     ms = 0
                 else:
-                    ms = math.ceil(1000 * (LEND_TICK if left is None else min(LEND_TICK, left)))
+                    ms = math.ceil(1000 * (CALLER_TICK if left is None
+                                           else min(CALLER_TICK, left)))
                 for fd, _ in poller.poll(ms):
                     if fd != lnk.fd:
                         try:
@@ -195,6 +211,6 @@ class LinkReader:
                                                  or lnk.buffered)
                 # answers still due: the agent takes the link back now; else it waits a while
                 # for the next caller before it does
-                self.until = 0.0 if due else time.monotonic() + LEND_TICK
+                self.until = 0.0 if due else time.monotonic() + LEND
             if due:
                 agent.wake()

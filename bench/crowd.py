@@ -6,7 +6,7 @@ round's rate?
 ``acks=1``, ``--depth`` pushes in flight, for ``--seconds``; then they close and the next round
 starts fresh clients against the same cluster (new ids, new push rings), as workers of a job
 that restarts do. One JSON line per round: pushes acknowledged per second (all clients, over
-the round's window after ``--warmup``), the broker's and shards' CPU microseconds per push in
+the round's window after ``--warmup``), the broker's, shards' and clients' CPU microseconds per push in
 that window, and their open descriptors and mapped gradbus segments at the round's end; a last
 line gives the last round's rate over the first's.
 
@@ -119,8 +119,11 @@ def _round(url: str, a, clients: int, nbytes: int, up_pid: int) -> dict:
             p.join(120)
         peers.stop_processes(procs)
     pushes = max(1, win["events"])
-    cpu = {k: round((win["last"].get(v, 0.0) - win["first"].get(v, 0.0)) / pushes * 1e6, 1)
-           for k, v in servers.items()}
+
+    def used(pids) -> float:
+        return sum(win["last"].get(p, 0.0) - win["first"].get(p, 0.0) for p in pids)
+    cpu = {k: round(used([v]) / pushes * 1e6, 1) for k, v in servers.items()}
+    cpu["clients"] = round(used([p.pid for p in procs]) / pushes * 1e6, 1)
     return {"pushes_per_s": round(win["events"] / win["seconds"], 1),
             "cpu_us_per_push": cpu,
             "fds": {k: _open_fds(v) for k, v in servers.items()},

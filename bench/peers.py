@@ -21,6 +21,10 @@ sends the next:
     gradbus_inproc_spin   ``gradbus_inproc`` with GRADBUS_BROKER_SPIN_US=200: the broker's loop
                           polls without sleeping for 200 us after a turn with messages (an
                           operator's setting, off by default; not run by default)
+    gradbus_inproc_spin_all  ``gradbus_inproc_spin`` with workers connected with
+                          ``spin_us=500``: a worker waiting in a push's ``result()`` polls its
+                          local link without sleeping for 500 us before it blocks (a setting of
+                          the SDK, off by default; not run by default)
     gradbus_worker_noshm  the same with GRADBUS_SHM=0 in the workers (workers on other hosts)
     gradbus_shm_copy      ``gradbus_shm`` with GRADBUS_BOARD_STEP=0: the shard steps its weights
                           in place, then copies them onto its board, where ``gradbus_shm`` steps
@@ -97,8 +101,8 @@ import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
 CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_inproc_spin",
-           "gradbus_worker_noshm", "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass",
-           "floor_inplace")
+           "gradbus_inproc_spin_all", "gradbus_worker_noshm", "gradbus_shm_copy", "floor_shm",
+           "floor_link", "floor_onepass", "floor_inplace")
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
                    "floor_shm", "floor_link")
 REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")
@@ -211,11 +215,11 @@ def end_workers(procs: list, stop, grace: float) -> None:
 
 
 def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, stop, lat,
-                    codec: str = "raw") -> None:
+                    codec: str = "raw", spin_us: int = 0) -> None:
     import gradbus
     from gradbus.codecs import hops
     n = nbytes // 4
-    with gradbus.connect(url, timeout=60) as c:
+    with gradbus.connect(url, timeout=60, spin_us=spin_us) as c:
         c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-6))
         c.pull(["w"])                       # follow the tensor
         g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
@@ -269,14 +273,14 @@ def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
 @contextlib.contextmanager
 def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
                    pids: dict | None = None, board_step: bool = True, inproc: bool = False,
-                   spin_us: int = 0):
+                   spin_us: int = 0, worker_spin_us: int = 0):
     """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
     workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. Without
     ``board_step`` the shard copies its weights onto its board after each step (so does
     ``GRADBUS_BOARD_STEP=0`` in the environment, e.g. for ``--hops``). With ``hosts``
     (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
     and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`; ``spin_us``: the
-    broker's spin (``--spin-us``)."""
+    broker's spin (``--spin-us``), ``worker_spin_us`` the workers' (``spin_us``)."""
     ctx = mp.get_context("spawn")
     up, procs = None, []
     env = {**os.environ, "GRADBUS_SHM": "1"}
@@ -303,7 +307,7 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
             with environment(GRADBUS_SHM=worker_shm):
                 for i in range(run["workers"]):
                     args = (url, i, run["bytes"], run["depth"], counters, stop, lat[i],
-                            run.get("codec", "raw"))
+                            run.get("codec", "raw"), worker_spin_us)
                     target = _gradbus_worker
                     if hosts is not None:
                         target, args = hosts.in_worker(i, target, args)
@@ -336,12 +340,14 @@ def start(config: str, run: dict, counters, stop, lat):
         return rpc_config(run, counters, stop, lat, tcp_only=config == "rpc_tcp",
                           clone=config == "rpc_clone")
     if config in ("gradbus_shm", "gradbus_worker_noshm", "gradbus_shm_copy", "gradbus_inproc",
-                  "gradbus_inproc_spin"):
+                  "gradbus_inproc_spin", "gradbus_inproc_spin_all"):
+        spin = config.startswith("gradbus_inproc_spin")
         return gradbus_config(run, counters, stop, lat,
                               "0" if config == "gradbus_worker_noshm" else "1",
                               board_step=config != "gradbus_shm_copy",
                               inproc=config.startswith("gradbus_inproc"),
-                              spin_us=200 if config == "gradbus_inproc_spin" else 0)
+                              spin_us=200 if spin else 0,
+                              worker_spin_us=500 if config == "gradbus_inproc_spin_all" else 0)
     if config in FLOORS:
         return _floor(run, counters, stop, lat, *FLOORS[config])
     raise ValueError(f"unknown configuration {config!r}")

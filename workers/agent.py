@@ -164,7 +164,7 @@ class Agent(threading.Thread):
                         self._link_flags = flags
                     if lnk.buffered:
                         timeout = 0
-                    elif lent is not None and lent != math.inf:
+                    elif lent is not None:
                         timeout = min(timeout, math.ceil(lent * 1000))
                 elif self._link_flags:
                     self._link_flags = 0

@@ -38,6 +38,7 @@ from concurrent import futures
 from gradbus.codecs import hops
 
 LEND = 0.005            # seconds the link stays lent after the last caller left it
+AGENT_TICK = 0.05       # seconds the agent sleeps at most while the link is lent
 CALLER_TICK = 0.1       # seconds a waiting caller sleeps at most before it looks again
 
 
@@ -47,11 +48,6 @@ class ReadingFuture(futures.Future):
     def __init__(self, reader: "LinkReader"):
         super().__init__()
         self._reader = reader
-
-    def add_done_callback(self, fn) -> None:
-        super().add_done_callback(fn)
-        if not self.done():
-            self._reader.recall()       # answered by the agent, which must read the link
 
     def result(self, timeout: float | None = None):
         return super().result(self._read(timeout))
@@ -88,12 +84,12 @@ class LinkReader:
         self._closed = False
 
     def lent_for(self) -> float | None:
-        """How long the link stays lent to callers, who read it (the agent polls without it
-        meanwhile): ``math.inf`` while one reads it (it reads whatever comes), else the seconds
-        left of :data:`LEND` after the last one left (the next may come); None: the agent reads
-        it."""
+        """How long the agent may sleep without reading the link, lent to callers: while one
+        reads it, :data:`AGENT_TICK` (the agent then looks again, for answers that came as the
+        last caller left); else what is left of :data:`LEND` after the last one left (the next
+        may come). None: the agent reads it."""
         if self.readers:
-            return math.inf
+            return AGENT_TICK
         left = self.until - time.monotonic()
         return left if left > 0 else None
 
@@ -112,8 +108,8 @@ class LinkReader:
 
     def recall(self) -> None:
         """A thread is about to wait for answers without reading the link (``flush()``, a
-        full credit window, a ``pull`` waiting for a version, a done-callback added): the
-        agent takes the link back now if no caller reads it."""
+        full credit window, a ``pull`` waiting for a version): the agent takes the link back
+        now if no caller reads it."""
         if self.readers == 0 and self.until:
             self.until = 0.0
             self.agent.wake()
@@ -174,6 +170,8 @@ class LinkReader:
                 if not self.turn.acquire(timeout=-1 if left is None else left):
                     return
                 self.owner = threading.get_ident()
+                if hops.ON:
+                    hops.woke()     # this thread looks at the link now (its loop's wake)
                 try:
                     if fut.done() or agent.link is not lnk or agent.state.stopped:
                         return      # answered in the agent's turn, or no link to read
@@ -201,8 +199,6 @@ class LinkReader:
                             os.read(fd, 4096)
                         except OSError:
                             pass
-                if hops.ON:
-                    hops.woke()
         finally:
             state = agent.state
             with self._count:

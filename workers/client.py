@@ -479,7 +479,8 @@ class Client(PushMethods, TableMethods):
             self.agent.join(timeout=5)
             with self._lock:
                 self.agent.pipe_out.close(linger=0)
-            self.agent.reader.close()
+            if not self.agent.is_alive():     # it notifies through the pipe until it stops
+                self.agent.reader.close()
             self.ctx.term()
             if self.shm is not None:
                 self.shm.close()

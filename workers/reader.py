@@ -13,14 +13,16 @@ caller waits for the turn; holding it, it takes every whole message on the link 
 and carries out what goes back on the link. What needs the agent's sockets (a send on the
 DEALER, a subscription, a reconnect) is left to the agent, which is woken for it.
 
-While callers read the link, and for :data:`LEND_TICK` after the last one left it (the next
-push's caller comes soon), the agent polls without the link's fd, so an answer wakes the caller
-alone; the agent still wakes every :data:`LEND_TICK`, and takes the link back at its first turn
-after that. A caller that leaves while other answers are due gives the link back at once and
-wakes the agent, so an answer nobody waits for in ``result()`` (a callback, or
-``concurrent.futures.wait``) waits :data:`LEND_TICK` at the most. When the agent reads answers
+While callers read the link, and for :data:`LEND` after the last one left it (the next push's
+caller comes soon), the agent polls without the link's fd, so an answer wakes the caller alone.
+A caller that leaves while other answers are due gives the link back at once and wakes the
+agent, as does a thread about to wait for answers without reading (``flush()``, a full credit
+window, a ``pull`` waiting for a version: :meth:`LinkReader.recall`). What remains (an answer
+that comes as the last caller leaves, a Future with only a callback) the agent reads at its next
+look: it sleeps :data:`AGENT_TICK` at most while the link is lent. When the agent reads answers
 while the link is lent (it was still polling the link as a caller came), it wakes the callers
-asleep on the link through a pipe, since the bytes they wait for are gone.
+asleep on the link through a pipe, since the bytes they wait for are gone; a caller looks again
+every :data:`CALLER_TICK` all the same.
 
 ``spin`` (seconds, the client's ``spin_us``): the caller polls the link without sleeping for
 that long before it blocks, for a round trip shorter by the kernel's wake-up, at the cost of a

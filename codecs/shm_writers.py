@@ -311,7 +311,8 @@ class Board:
             return None
         arena, off, cap = slot[0], slot[1], slot[2]
         word = (off + (slot[3] ^ 1) * (cap + ALIGN)) >> 3
-        stamp, n = (int(v) for v in arena.seg.words[[word, word + 3]])
+        words = arena.seg.words     # written by this process only: two reads, no copy
+        stamp, n = int(words[word]), int(words[word + 3])
         data = (word << 3) + ALIGN
         return arena.seg.view[data:data + n], [arena.seg.name, data, stamp]
 

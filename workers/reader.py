@@ -36,12 +36,21 @@ import select
 import threading
 import time
 from concurrent import futures
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED
 
 from gradbus.codecs import hops
 
 LEND = 0.005            # seconds the link stays lent after the last caller left it
 AGENT_TICK = 0.05       # seconds the agent sleeps at most while the link is lent
 CALLER_TICK = 0.1       # seconds a waiting caller sleeps at most before it looks again
+_SETTLED = frozenset({FINISHED, CANCELLED, CANCELLED_AND_NOTIFIED})
+
+
+def _settled(fut: futures.Future) -> bool:
+    """``fut.done()`` without taking the Future's lock (five calls each time): its state is
+    one attribute, set under the lock after its result; a stale read only means one more
+    look, and the result itself is read through the Future."""
+    return fut._state in _SETTLED
 
 
 class ReadingFuture(futures.Future):
@@ -59,11 +68,9 @@ class ReadingFuture(futures.Future):
 
     def _read(self, timeout: float | None) -> float | None:
         """Read until this Future is resolved or ``timeout`` passes; the time left."""
-        if self.done():
+        if _settled(self):
             return timeout
-        t0 = time.monotonic()
-        self._reader.wait(self, timeout)
-        return None if timeout is None else max(0.0, timeout - (time.monotonic() - t0))
+        return self._reader.wait(self, timeout)
 
 
 class LinkReader:
@@ -84,6 +91,7 @@ class LinkReader:
         self._count = threading.Lock()
         self._wake: tuple[int, int] | None = None   # the wake-up pipe, made at the first sleep
         self._closed = False
+        self._pollers = threading.local()   # each caller's poller of the link and the pipe
 
     def lent_for(self) -> float | None:
         """How long the agent may sleep without reading the link, lent to callers: while one
@@ -151,46 +159,66 @@ class LinkReader:
                 self._wake = (r, w)
             return self._wake[0]
 
-    def wait(self, fut: futures.Future, timeout: float | None) -> None:
+    def _poller(self, fd: int):
+        """This thread's poller of the link's ``fd`` and the wake-up pipe, made at its first
+        sleep and kept while the link is the same."""
+        cached = getattr(self._pollers, "poller", None)
+        if cached is not None and cached[0] == fd:
+            return cached[1]
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        wake_r = self._wake_fd()
+        if wake_r is not None:
+            poller.register(wake_r, select.POLLIN)
+        self._pollers.poller = (fd, poller)
+        return poller
+
+    def wait(self, fut: futures.Future, timeout: float | None) -> float | None:
         """Read the link until ``fut`` is resolved, ``timeout`` passes, or the link is gone
-        (the caller then waits on the Future as without a link). Only a holder of the turn
-        resolves a push's Future, so waiting for the turn is waiting for the answer too."""
+        (the caller then waits on the Future as without a link); what is left of ``timeout``.
+        Only a holder of the turn resolves a push's Future, so waiting for the turn is waiting
+        for the answer too."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._wait(fut, deadline)
+        finally:
+            if deadline is not None:
+                timeout = max(0.0, deadline - time.monotonic())
+        return timeout
+
+    def _wait(self, fut: futures.Future, deadline: float | None) -> None:
         agent = self.agent
         lnk = agent.link
-        if lnk is None or self.owner == threading.get_ident():
+        me = threading.get_ident()
+        if lnk is None or self.owner == me:
             return    # no link, or called from the turn itself (a done-callback)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        spin_end = time.monotonic() + self.spin
+        spin_end = time.monotonic() + self.spin if self.spin else 0.0
         with self._count:
             self.readers += 1
         poller = None
         try:
-            while not fut.done():
+            while not _settled(fut):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return
                 if not self.turn.acquire(timeout=-1 if left is None else left):
                     return
-                self.owner = threading.get_ident()
+                self.owner = me
                 if hops.ON:
                     hops.woke()     # this thread looks at the link now (its loop's wake)
                 try:
-                    if fut.done() or agent.link is not lnk or agent.state.stopped:
+                    if _settled(fut) or agent.link is not lnk or agent.state.stopped:
                         return      # answered in the agent's turn, or no link to read
                     if not agent.read_for_caller(lnk):
                         return
                 finally:
                     self.owner = None
                     self.turn.release()
-                if fut.done():
+                if _settled(fut):
                     return
                 if poller is None:
-                    poller = select.poll()
-                    poller.register(lnk.fd, select.POLLIN)
-                    wake_r = self._wake_fd()
-                    if wake_r is not None:
-                        poller.register(wake_r, select.POLLIN)
-                if time.monotonic() < spin_end:
+                    poller = self._poller(lnk.fd)
+                if spin_end and time.monotonic() < spin_end:
                     ms = 0
                 else:
                     ms = math.ceil(1000 * (CALLER_TICK if left is None

@@ -33,7 +33,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import throughput  # noqa: E402  (sizes and free ports)
+import peers  # noqa: E402  (a gradbus command's URL from its log)
+import throughput  # noqa: E402  (free ports)
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20}
 READY_TIMEOUT = 60.0
@@ -44,18 +45,6 @@ def _spawn(args: list, out: str, log) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "cProfile", "-o", out, "-m", "gradbus",
                              *args], stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL, env={**os.environ, "GRADBUS_SHM": "1"})
-
-
-def _wait_line(path: str, word: str, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
-    while time.monotonic() < deadline:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            if any(line.startswith(word) for line in f):
-                return
-        if proc.poll() is not None:
-            raise RuntimeError(f"gradbus exited with {proc.returncode}: see {path}")
-        time.sleep(0.1)
-    raise TimeoutError(f"no {word!r} from gradbus in {READY_TIMEOUT:.0f}s")
 
 
 class _Counter:
@@ -91,7 +80,7 @@ def _run(config: str, nbytes: int, pushes: int, work: str) -> dict:
         stats["broker"] = os.path.join(work, f"{config}-{pushes}-broker.prof")
         extra = ["--inproc-shards", "1"] if config == "inproc" else []
         procs.append(_spawn(["broker", "--port", str(port), *extra], stats["broker"], logs[-1]))
-        _wait_line(blog, "listening", procs[0])
+        peers._wait_ready(procs[0], blog, READY_TIMEOUT, "listening: ")
         if config == "shard_process":
             slog = os.path.join(work, f"{config}-{pushes}-shard.log")
             logs.append(open(slog, "w"))
@@ -113,7 +102,7 @@ def _run(config: str, nbytes: int, pushes: int, work: str) -> dict:
             for _ in range(pushes):
                 ack = c.push({"w": g}, acks=1).result(60)
                 c.pull(["w"], min_version=ack["ver"])
-        return {"worker": counted.n, **{k: v for k, v in stats.items()}}
+        return {"worker": counted.n, **stats}
     finally:
         for p in reversed(procs):       # the shard first: its statistics are written at exit
             if p.poll() is None:

@@ -242,13 +242,14 @@ def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, sto
         c.flush(60)
 
 
-def _wait_ready(up: subprocess.Popen, log: str, timeout: float) -> str:
-    """The client URL ``gradbus up`` prints once its shards are alive."""
+def _wait_ready(up: subprocess.Popen, log: str, timeout: float, prefix: str = "ready: ") -> str:
+    """The client URL ``gradbus up`` prints once its shards are alive (or another gradbus
+    command on its line starting with ``prefix``: ``gradbus broker``'s ``listening: ``)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with open(log, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("ready: "):
+                if line.startswith(prefix):
                     return line.split()[1]
         if up.poll() is not None:
             raise RuntimeError(f"gradbus up exited with {up.returncode}")

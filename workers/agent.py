@@ -71,6 +71,10 @@ class Agent(threading.Thread):
         # Wake the agent only if it has not been woken since it last emptied the queue: it
         # clears the flag *before* draining, so a command appended while the flag is set is
         # always drained (saves a socket send per push under load).
+        self._signal()
+
+    def _signal(self) -> None:
+        """Wake the agent unless a wake-up is pending. Under ``lock``."""
         if not self.wake_pending:
             self.wake_pending = True
             self.pipe_out.send(b"", zmq.NOBLOCK)
@@ -79,10 +83,9 @@ class Agent(threading.Thread):
         """Wake the agent for what a caller's turn left it (see :mod:`.reader`); nothing once
         it stopped."""
         with self.lock:
-            if not self.wake_pending and not self.pipe_out.closed:
-                self.wake_pending = True
+            if not self.pipe_out.closed:
                 try:
-                    self.pipe_out.send(b"", zmq.NOBLOCK)
+                    self._signal()
                 except zmq.ZMQError:
                     pass
 

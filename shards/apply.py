@@ -61,6 +61,7 @@ class _Work:
     rsums: dict = field(default_factory=dict)
     # key -> [(entry index, entry, desc, frame, TensorStream)], summed in one pass per key
     streams: dict = field(default_factory=dict)
+    stepped: int = 0    # pushes applied by steps taken while their gradients were read
 
 
 def _ident(ent: PushEntry, desc) -> tuple | None:
@@ -109,7 +110,7 @@ class Applier:
             self._entry(idx, ent, descs, frames, work)
         for key, items in work.streams.items():
             self._sum_streams(key, items, work)
-        applied = self._step_blocks(work)
+        applied = self._step_blocks(work) + work.stepped
         touched = self._queue_rows(work, rows)
         applied += sum(len(g) for g in work.rsums.values())
         self.stats["pushes_applied"] += applied
@@ -195,11 +196,16 @@ class Applier:
         the duplicates are skipped, their sum in one pass (:meth:`_sum_pieces`), kept first
         in the key's sum. When a checksum does not match or the sum is not finite, the key's
         gradients go through :meth:`_accepted` one at a time instead, which refuses exactly
-        the bad ones (the sum is the same either way). One raw frame is used as it is."""
+        the bad ones (the sum is the same either way). One raw frame is used as it is. Where
+        the key's rule can, its step is taken while the frames are read instead
+        (:meth:`_step_reading`)."""
         fresh, idents = self._unseen(items, work.pst)
         if not fresh:
             return
-        if len(fresh) > 1 or fresh[0][4].pieces.coder != "raw":
+        stepped = self._step_reading(key, fresh, idents, work)
+        if stepped:
+            return
+        if stepped is None and (len(fresh) > 1 or fresh[0][4].pieces.coder != "raw"):
             acc = self._sum_pieces(key, fresh)
             if acc is not None:
                 for ident in idents:
@@ -213,6 +219,40 @@ class Applier:
                 self._keep(ent, desc, frame, work)
             except WireError as e:
                 work.errors.append([idx, e.code.value, str(e.args[0])])
+
+    def _step_reading(self, key: str, fresh: list, idents: set, work: _Work) -> bool | None:
+        """A key whose only gradients are these streams, stepped onto the weights board while
+        they are read: each piece checksummed, summed, checked finite and stepped while in
+        cache (the rule's ``step_reading``: plain SGD on numba's loop). True once published,
+        which it is only when every checksum matched and (nan_policy refuse) the sum was
+        finite; else False, the board's new version left unpublished and the streams spent:
+        the caller decodes the frames one at a time, refusing exactly the bad gradients.
+        None, nothing read, where the rule, the backend or the board cannot."""
+        blk = self.store.blocks[key]
+        stepper = getattr(blk.rule, "step_reading", None)
+        if stepper is None or key in work.sums:
+            return None
+        out = self.store.board_target(blk, work.publish)
+        if out is None:
+            return None
+        held = blk.held
+        step = self.backend.chunk_len(held.dtype)
+        reads = [(item[4].read, _weight(item[1], held.dtype)) for item in fresh]
+        finite = stepper(blk.newest, reads, out,
+                         self._scratch_for(2 * min(step, held.size), held.dtype))
+        if finite is None:
+            return None
+        if not all(item[4].verified() for item in fresh) or (
+                not finite and self.nan_policy == "refuse"):
+            return False
+        self.h_pushes.observe(len(fresh))
+        self.store.publish_step(blk, out, sum(item[2].count for item in fresh), work.pst.seq)
+        for ident in idents:
+            work.pst.seen(ident)
+        work.changed[key] = blk
+        work.stepped += len(fresh)
+        self.stats["steps_in_one_pass"] = self.stats.get("steps_in_one_pass", 0) + 1
+        return True
 
     def _unseen(self, items: list, pst: PartitionState) -> tuple[list, set]:
         """The streamed gradients not applied before (nor earlier in this batch), and their

@@ -167,6 +167,52 @@ class NumpyBackend:
             np.multiply(g[sl], lr, out=t)
             np.subtract(w[sl], t, out=out[sl])
 
+    def sgd_step_reading(self, w, reads: list, lr: float, out, scratch):
+        """``out = w - lr * (sum of the gradients that ``reads`` give)``, each gradient read a
+        chunk at a time (``read(lo, hi, buf)``: its values ``[lo, hi)``, as a view or decoded
+        into ``buf``, called with consecutive ranges; paired with its scale, or None) and that
+        chunk stepped while it is in cache: one pass over the gradients where a sum, a
+        finiteness check and a step apart take three. ``scratch``: two chunks' worth of
+        ``w``'s dtype. Returns whether every value of the sum was finite, or None, with
+        nothing read, where there is no numba loop for it (the caller sums, checks and steps
+        apart). The same bits as summing in list order, then :meth:`sgd_step`."""
+        loop = self.fused.get("sgd_checked") if self.fused is not None else None
+        if loop is None or not self._fusable(w, out):
+            return None
+        n, dt = w.size, w.dtype
+        size = self.chunk_len(dt)
+        got, total = scratch[:min(size, n)], scratch[min(size, n):2 * min(size, n)]
+        lr = dt.type(lr)
+        with np.errstate(over="ignore", invalid="ignore"):   # a sum past the range: flagged
+            bad = self._step_reading(loop, w, reads, lr, out, got, total)
+        return not bad
+
+    def _step_reading(self, loop, w, reads, lr, out, got, total) -> int:
+        n, bad = w.size, 0
+        size = self.chunk_len(w.dtype)
+        for lo in range(0, n, size):
+            hi = min(lo + size, n)
+            t = total[:hi - lo]
+            g = None
+            for j, (read, scale) in enumerate(reads):
+                v = read(lo, hi, got)
+                if scale is not None:
+                    v = np.multiply(v, scale, out=got[:hi - lo])
+                if j == 0:
+                    g = v
+                    if len(reads) > 1 and np.may_share_memory(v, got):
+                        np.copyto(t, v)       # out of the way of the next read's decoding
+                        g = t
+                elif j == 1 and g is not t:
+                    g = np.add(g, v, out=t)
+                else:
+                    np.add(t, v, out=t)
+            if not (g.flags.aligned and g.flags.c_contiguous):     # a frame at an odd offset
+                np.copyto(t, g)
+                g = t
+            bad |= loop(w[lo:hi], g, out[lo:hi], lr)
+        return bad
+
     def momentum_step(self, w, g, v, k: int, lr: float, mu: float, scratch=None,
                       out=None) -> None:
         out = w if out is None else out
@@ -255,6 +301,17 @@ def _sgd_loop(w, g, out, lr):
         out[i] = w[i] - g[i] * lr
 
 
+def _sgd_checked_loop(w, g, out, lr):
+    """``_sgd_loop`` that also says whether any ``g`` was NaN or infinite (an integer flag,
+    so the loop still vectorizes)."""
+    bad = 0
+    for i in range(w.size):
+        gi = g[i]
+        bad |= not (abs(gi) < np.inf)
+        out[i] = w[i] - gi * lr
+    return bad
+
+
 def _momentum_loop(w, g, out, v, a, b, c, d):
     for i in range(w.size):
         vi, gi = v[i], g[i]
@@ -303,10 +360,17 @@ def _compile_loops(numba, types) -> dict:
         return types.void(arr, types.Array(dt, 1, "C", readonly=True), arr, *[arr] * n_state,
                           *[dt] * n_scalars)
 
-    return {name: numba.njit([signature(dt, n_state, n_scalars)
-                              for dt in (types.float32, types.float64)],
-                             fastmath=False, error_model="numpy", nogil=True, cache=True)(loop)
-            for name, (loop, n_state, n_scalars) in _LOOPS.items()}
+    def jit(loop, signatures):
+        return numba.njit(signatures, fastmath=False, error_model="numpy", nogil=True,
+                          cache=True)(loop)
+
+    loops = {name: jit(loop, [signature(dt, n_state, n_scalars)
+                              for dt in (types.float32, types.float64)])
+             for name, (loop, n_state, n_scalars) in _LOOPS.items()}
+    loops["sgd_checked"] = jit(_sgd_checked_loop, [
+        types.int64(types.Array(dt, 1, "C"), types.Array(dt, 1, "C", readonly=True),
+                    types.Array(dt, 1, "C"), dt) for dt in (types.float32, types.float64)])
+    return loops
 
 
 # -- CuPy ----------------------------------------------------------------------------------------

@@ -247,6 +247,9 @@ class ShardCore:
             ("pushes_applied", "Gradients applied."),
             ("pushes_refused", "Gradients refused (bad shape, not finite, unknown key)."),
             ("duplicates_skipped", "Gradients received again and not applied again."),
+            ("steps_in_one_pass", "Block steps whose gradients were checksummed, summed, "
+             "checked finite and stepped in one pass over their bytes (plain SGD onto the "
+             "weights board)."),
             ("snapshots", "Snapshot requests served."),
             ("row_reads", "Table row reads served."),
             ("syncs", "Partitions installed from a primary's state (catch-up)."),

@@ -39,6 +39,14 @@ class SGDRule:
     def state(self, n: int, dtype) -> dict:
         return {"v": self.be.xp.zeros(n, dtype)} if self.momentum else {}
 
+    def step_reading(self, w, reads: list, out, scratch) -> bool | None:
+        """A step into ``out`` from gradients read a chunk at a time (see the backend's
+        ``sgd_step_reading``): whether their sum was finite, or None (nothing read) where it
+        cannot: with momentum (its state would move before the gradients are all checked), or
+        on a backend without that loop."""
+        stepper = None if self.momentum else getattr(self.be, "sgd_step_reading", None)
+        return None if stepper is None else stepper(w, reads, self.lr, out, scratch)
+
     def step(self, w, g, k: int, st: dict, scratch, out=None) -> None:
         if self.momentum:
             self.be.momentum_step(w, g, st["v"], k, self.lr, self.momentum, scratch, **_to(out))

@@ -146,16 +146,27 @@ class ParameterStore:
         board's next version of the block, published there at ``seq``: no copy onto the board
         after the step, and the block's ``held`` values stay as they were until someone asks
         for ``value``. Otherwise it steps ``value`` in place."""
-        board = self.board if onto_board else None
-        dst = board.begin(blk.key, blk.held.nbytes) if board is not None else None
-        if dst is None:
+        out = self.board_target(blk, onto_board)
+        if out is None:
             blk.rule.step(blk.value, g, k, blk.state, scratch)
             blk.version += k
             return
-        out = np.frombuffer(dst, blk.held.dtype)
         blk.rule.step(blk.newest, g, k, blk.state, scratch, out)
+        self.publish_step(blk, out, k, seq)
+
+    def board_target(self, blk: Block, onto_board: bool) -> np.ndarray | None:
+        """Where a step of ``blk`` writes the block's next version on the board (see
+        :meth:`step`), to be published with :meth:`publish_step`; left unpublished, the block
+        keeps its newest version. None where the step goes in place."""
+        board = self.board if onto_board else None
+        dst = board.begin(blk.key, blk.held.nbytes) if board is not None else None
+        return None if dst is None else np.frombuffer(dst, blk.held.dtype)
+
+    def publish_step(self, blk: Block, out: np.ndarray, k: int, seq: int) -> None:
+        """``out`` (from :meth:`board_target`, written) is ``blk``'s newest version, ``k``
+        gradients on, published at ``seq``."""
         blk.version += k
-        board.commit(blk.key, blk.version, seq)
+        self.board.commit(blk.key, blk.version, seq)
         blk.live = out
 
     def partition(self, p: int) -> PartitionState:

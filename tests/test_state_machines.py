@@ -6,7 +6,7 @@ import re
 import numpy as np
 import pytest
 
-from gradbus.codecs import wire
+from gradbus.codecs import shm, wire
 from gradbus.codecs.partition import TensorLayout, partition_of
 from gradbus.shards.core import ShardCore
 from gradbus.workers.cache import WeightCache
@@ -453,13 +453,37 @@ def test_batches_and_snapshot_asks_carry_at_most_max_batch_entries_blocks():
 
 
 # ---------------------------------------------------------------- streamed sums
-def _shard_sgd(dtype, n, lr=1.0, nan_policy="refuse"):
+def _shard_sgd(dtype, n, lr=1.0, nan_policy="refuse", board=None):
+    """A shard holding w/0 (zeros, SGD); with ``board`` (a weights board) its steps go onto
+    the board, where plain SGD steps while it reads the gradients (``steps_in_one_pass``)."""
     sc = CheckedShard("s", nan_policy=nan_policy)
+    sc.publisher.board = board
     layout = TensorLayout("w", dtype, (n,), n)
     sc.handle(_batch(0, 1, [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
                              "rule": {"name": "zeros"}, "opt": {"name": "sgd", "lr": lr}}],
                      [], []))
     return sc
+
+
+@pytest.fixture(params=["in_place", "board"])
+def board(request):
+    """None (steps in place), or a weights board the shard steps onto."""
+    if request.param == "in_place":
+        yield None
+        return
+    request.getfixturevalue("shm_dir")
+    b = shm.Board("5ea11ed0", segment_bytes=1 << 20)
+    yield b
+    b.close()
+
+
+def _one_pass_steps(sc) -> int:
+    return sc.stats.get("steps_in_one_pass", 0)
+
+
+def _steps_reading(sc) -> bool:
+    """Whether this shard's SGD steps onto its board read the gradients as they step."""
+    return sc.store.board is not None and sc.backend.fused is not None
 
 
 def _push_batch(sc, seq, encs, entries=None):
@@ -472,11 +496,13 @@ def _push_batch(sc, seq, encs, entries=None):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("chain", ["raw", "bf16", "fp16", "bf16,raw,fp16,bf16",
                                    "fp16,bf16,bf16,raw"])
-def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, path, monkeypatch):
+def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, path, board,
+                                                           monkeypatch):
     """Raw, fp16 and bf16 frames of one key are checksummed, decoded, scaled and summed piece
     by piece (or, half precision with numba, each in one pass): the weights equal the textbook
     sum of the decoded gradients in batch order, and the whole-frame decoder is never called
-    for them."""
+    for them. Onto a board, the step itself is taken piece by piece as they are read: the
+    same bits."""
     n = 3 * ShardCore("x").backend.chunk_len(np.dtype(dtype)) + 17     # a short last piece
     rng = np.random.default_rng(11)
     grads = [rng.normal(size=n).astype(dtype) for _ in range(4)]
@@ -493,7 +519,7 @@ def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, path, m
     want = decoded[0].copy()
     for g in decoded[1:]:
         want += g
-    sc = _shard_sgd(dtype, n)
+    sc = _shard_sgd(dtype, n, board=board)
 
     def whole(*a, **k):
         raise AssertionError("a streamable frame was decoded whole")
@@ -506,14 +532,21 @@ def test_streamed_sum_is_the_one_at_a_time_sum_bit_for_bit(chain, dtype, path, m
         res = _push_batch(sc, 2, encs, entries)
     assert res["errors"] == [] and res["vers"] == {"w/0": 4}
     leading_half = next((i for i, c in enumerate(chains) if c == "raw"), 4)
-    assert one_pass.count(True) == (leading_half if path == "numba" else 0)
+    if _steps_reading(sc):
+        assert _one_pass_steps(sc) == 1 and one_pass == []
+        assert board.holds("w/0", 4) and sc.store.blocks["w/0"].live is not None
+    else:
+        assert _one_pass_steps(sc) == 0
+        assert one_pass.count(True) == (leading_half if path == "numba" else 0)
     assert np.array_equal(sc.store.blocks["w/0"].value, -want)
     assert sc.stats["pushes_applied"] == 4
 
 
 @pytest.mark.parametrize("path", JIT_PATHS)
 @pytest.mark.parametrize("chain", ["raw", "bf16", "fp16"])
-def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain, path):
+def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain, path, board):
+    """Onto a board, the step taken while reading is given up (its version never published)
+    and the frames are checked one at a time."""
     n = 2 * ShardCore("x").backend.chunk_len(np.dtype(np.float32)) + 5
     rng = np.random.default_rng(5)
     grads = [rng.normal(size=n).astype(np.float32) for _ in range(4)]
@@ -522,7 +555,7 @@ def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain, p
     corrupt = bytearray(bytes(encs[1][1]))
     corrupt[len(corrupt) // 2] ^= 0x10
     encs[1] = (encs[1][0], bytes(corrupt))
-    sc = _shard_sgd("float32", n)
+    sc = _shard_sgd("float32", n, board=board)
     with jit_path(path):
         res = _push_batch(sc, 2, encs)
     assert sorted(e[:2] for e in res["errors"]) == [[1, "BAD_CHECKSUM"], [3, "NOT_FINITE"]]
@@ -530,19 +563,32 @@ def test_streamed_sum_refuses_exactly_the_corrupt_and_non_finite_frames(chain, p
             for i in (0, 2)]
     assert np.array_equal(sc.store.blocks["w/0"].value, -(good[0] + good[1]))
     assert sc.stats["pushes_applied"] == 2 and sc.stats["pushes_refused"] == 2
+    assert _one_pass_steps(sc) == 0 and sc.store.blocks["w/0"].version == 2
+    if board is not None:
+        board.close()
+        board = shm.Board("5ea11ed0", segment_bytes=1 << 20)
     # nan_policy allow: the non-finite one is summed in, the corrupt one still refused
-    sc = _shard_sgd("float32", n, nan_policy="allow")
+    sc = _shard_sgd("float32", n, nan_policy="allow", board=board)
     with jit_path(path):
         res = _push_batch(sc, 2, encs)
     assert [e[:2] for e in res["errors"]] == [[1, "BAD_CHECKSUM"]]
     assert np.isnan(sc.store.blocks["w/0"].value[n - 1])
+    # the two good frames and the non-finite one, no corrupt one: one pass onto a board
+    good3 = [encs[i] for i in (0, 2, 3)]
+    sc2 = _shard_sgd("float32", n, nan_policy="allow", board=board)
+    with jit_path(path):
+        res = _push_batch(sc2, 2, good3)
+    assert res["errors"] == [] and np.isnan(sc2.store.blocks["w/0"].value[n - 1])
+    assert _one_pass_steps(sc2) == (1 if _steps_reading(sc2) else 0)
+    if board is not None:
+        board.close()
 
 
-def test_streamed_sum_skips_resent_gradients_in_and_across_batches():
+def test_streamed_sum_skips_resent_gradients_in_and_across_batches(board):
     n = 1000
     g = np.arange(n, dtype=np.float32)
     enc = wire.encode_tensor("w/0", g)
-    sc = _shard_sgd("float32", n)
+    sc = _shard_sgd("float32", n, board=board)
     ident = {"op": "push", "i": 0, "c": "client-a", "m": 7}
     res = _push_batch(sc, 2, [enc, enc], [ident, {**ident, "i": 1}])
     assert res["errors"] == [] and res["vers"] == {"w/0": 1}
@@ -552,6 +598,7 @@ def test_streamed_sum_skips_resent_gradients_in_and_across_batches():
     assert res["vers"] == {"w/0": 2}
     assert np.array_equal(sc.store.blocks["w/0"].value, -(g + 1))
     assert sc.stats["duplicates_skipped"] == 2
+    assert _one_pass_steps(sc) == (2 if _steps_reading(sc) else 0)
 
 
 def test_streamed_sum_with_other_dense_and_sparse_gradients_of_the_key():

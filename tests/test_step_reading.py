@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gradbus.codecs import wire
+from gradbus.codecs import shm, wire
+from gradbus.codecs.shm_writers import HASH_PIECE
 from gradbus.shards.backend import NumpyBackend
 
 numba_only = pytest.mark.skipif(NumpyBackend().fused is None, reason="numba is not installed")
@@ -113,3 +114,25 @@ def test_without_a_loop_nothing_is_read():
         assert NumpyBackend().sgd_step_reading(h, reads, 0.1, np.empty_like(h),
                                                np.empty(20, np.float16)) is None
         assert called == []
+
+
+# ------------------------------------------------------------------------------ the ring
+@pytest.mark.usefixtures("shm_dir")
+def test_the_ring_hashes_what_it_copies_where_asked():
+    ring = shm.Ring("5ea11ed1", cap=64 << 20)
+    try:
+        big = np.random.default_rng(2).integers(0, 255, 3 * HASH_PIECE + 77, np.uint8)
+        small = np.arange(1000, dtype=np.float32)
+        empty = np.zeros(0, np.float32)
+        digests = [None, 12345, None]
+        refs = ring.place(1, [big, small, empty], digests)
+        assert digests == [wire.checksum(big), 12345, wire.checksum(b"")]
+        for ref, buf in zip(refs, [big, small]):
+            seg = next(a.seg for a in ring.arenas if a.seg.name == ref[0])
+            assert bytes(seg.view[ref[1]:ref[1] + buf.nbytes]) == buf.tobytes()
+        plain = ring.place(2, [small])           # no digests asked for: copied alone
+        seg = next(a.seg for a in ring.arenas if a.seg.name == plain[0][0])
+        assert bytes(seg.view[plain[0][1]:plain[0][1] + small.nbytes]) == small.tobytes()
+        ring.free([1, 2])
+    finally:
+        ring.close()

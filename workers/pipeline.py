@@ -33,8 +33,9 @@ class PushPipeline:
                counts: dict | None = None, detach: bool = True) -> tuple[list, list, dict]:
         """``(descs, bufs, residuals)`` of a push of ``flats`` (name -> flat gradient) in
         blocks; ``counts``: name -> how many gradients a sum stands for. ``detach=False``: a
-        raw block's buffer may be the caller's memory (it is copied into a ring slot before
-        :meth:`push` returns)."""
+        raw block's buffer may be the caller's memory, and its checksum ``x`` is None: the
+        push's shared memory (``ClientShm.place``) hashes it as it copies it into a ring slot,
+        before :meth:`push` returns, or hashes it where it is."""
         lossy = (tcodec.is_lossy(chain) if self.error_feedback == "all" else
                  self.error_feedback and tcodec.drops_more_than_rounding(chain))
         descs, bufs, residuals = [], [], {}
@@ -53,8 +54,12 @@ class PushPipeline:
                     d, buf, decoded = wire.encode_tensor_lossy(key, block, chain, self.rng)
                     residuals[key] = (block - decoded).astype(block.dtype, copy=False)
                 else:
-                    d, buf = wire.encode_tensor(key, block, chain, rng=self.rng)
-                    if not on_device and detach:
+                    later = not detach and not on_device and chain == "raw"
+                    d, buf = wire.encode_tensor(key, block, chain, rng=self.rng,
+                                                hashed=not later)
+                    if later:
+                        d["x"] = None          # hashed as the ring copies it
+                    elif not on_device and detach:
                         buf = net.detach(buf, flat)   # never send the caller's own memory
                 if cnt != 1:
                     d["cnt"] = cnt      # the shard applies it as cnt gradients (steps of the mean)

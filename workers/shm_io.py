@@ -125,22 +125,30 @@ class ClientShm:
         """The frames of push ``msg``: empty where its bytes went into the ring (its
         descriptors then carry the refs), the buffers themselves when the ring is full.
         ``own``: reservations (:meth:`reserved`) whose bytes are sent where they are, copied
-        nowhere; they are held for ``msg`` from now on."""
+        nowhere; they are held for ``msg`` from now on. A descriptor whose checksum is None
+        (``Pipeline.encode``) gets it here: of its bytes as
+        the ring copies them, or where they are."""
         inplace = {}
         if own:
             for i, b in enumerate(bufs):
                 ref = self._in_place(b, own)
                 if ref is not None:
                     inplace[i] = ref
-        refs = self.ring.place(msg, [b for i, b in enumerate(bufs) if i not in inplace])
+        copies = [i for i in range(len(bufs)) if i not in inplace]
+        digests = [descs[i]["x"] for i in copies]
+        refs = self.ring.place(msg, [bufs[i] for i in copies], digests)
         if own:
             self._spend(own)
         if refs is None:     # frames after all: never the caller's own memory (not detached)
             self.ring.stats["pushes_as_frames"] += 1
             for ent in own:
                 self.ring.unreserve(ent[0])
+            self._hash_where_they_are(descs, bufs, range(len(bufs)))
             return [b.copy() if isinstance(b, np.ndarray) and not b.flags.owndata else b
                     for b in bufs]
+        for i, x in zip(copies, digests):
+            descs[i]["x"] = x
+        self._hash_where_they_are(descs, bufs, inplace)
         if own:
             self.ring.bind(msg, [ent[0] for ent in own])
         copied = iter(refs)
@@ -148,6 +156,12 @@ class ClientShm:
             d["r"] = inplace[i] if i in inplace else next(copied)
         self.ring.stats["in_place_blocks"] += len(inplace)
         return [b""] * len(bufs)
+
+    @staticmethod
+    def _hash_where_they_are(descs: list, bufs: list, which) -> None:
+        for i in which:
+            if descs[i]["x"] is None:
+                descs[i]["x"] = wire.checksum(bufs[i])
 
     def free(self, msgs) -> int:
         return self.ring.free(msgs)

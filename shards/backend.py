@@ -179,15 +179,15 @@ class NumpyBackend:
         loop = self.fused.get("sgd_checked") if self.fused is not None else None
         if loop is None or not self._fusable(w, out):
             return None
-        n, dt = w.size, w.dtype
-        size = self.chunk_len(dt)
-        got, total = scratch[:min(size, n)], scratch[min(size, n):2 * min(size, n)]
-        lr = dt.type(lr)
+        m = min(self.chunk_len(w.dtype), w.size)
+        got, total = scratch[:m], scratch[m:2 * m]
+        lr = w.dtype.type(lr)
         with np.errstate(over="ignore", invalid="ignore"):   # a sum past the range: flagged
-            bad = self._step_reading(loop, w, reads, lr, out, got, total)
+            bad = self._reading_loop(loop, w, reads, lr, out, got, total)
         return not bad
 
-    def _step_reading(self, loop, w, reads, lr, out, got, total) -> int:
+    def _reading_loop(self, loop, w, reads, lr, out, got, total) -> int:
+        """:meth:`sgd_step_reading`'s pieces; nonzero when a value of the sum was not finite."""
         n, bad = w.size, 0
         size = self.chunk_len(w.dtype)
         for lo in range(0, n, size):

@@ -41,6 +41,7 @@ from .actions import INLINE_REPLY, RELAY
 log = logging.getLogger("gradbus.broker")
 
 SWEEP_EVERY = 5.0          # seconds between sweeps of dead processes' segments
+MATCHES_KEPT = 4096         # topics whose "followed?" answer is kept (a partition has two)
 
 
 class ShmIO:
@@ -52,6 +53,7 @@ class ShmIO:
         self.ring: shm.Ring | None = None
         self.relayed: dict[int, list] = {}      # relay id -> the message as shards get it
         self.subscribed: set[bytes] = set()     # topics some subscriber follows
+        self._matches: dict[bytes, bool] = {}   # _followed's answers since they last changed
         self.next_sweep = 0.0
         self.doomed: set[str] = set()          # dead owners' segments kept while referenced
         self.stats = core.meters.counters
@@ -154,8 +156,13 @@ class ShmIO:
     def _followed(self, topic: bytes) -> bool:
         """Some subscription matches ``topic`` (ZeroMQ matches by prefix: ``b""`` follows
         everything)."""
-        subs = self.subscribed
-        return any(topic[:n] in subs for n in range(len(topic) + 1))
+        hit = self._matches.get(topic)
+        if hit is None:
+            if len(self._matches) >= MATCHES_KEPT:
+                self._matches.clear()
+            subs = self.subscribed
+            hit = self._matches[topic] = any(topic[:n] in subs for n in range(len(topic) + 1))
+        return hit
 
     def subscription(self, notice: bytes) -> None:
         """An XPUB notice: ``\\x01`` + topic (a first subscriber) or ``\\x00`` + topic (the
@@ -164,6 +171,7 @@ class ShmIO:
             self.subscribed.add(notice[1:])
         elif notice[:1] == b"\x00":
             self.subscribed.discard(notice[1:])
+        self._matches.clear()
 
     # -- housekeeping --------------------------------------------------------------------------
     def tick(self, now: float) -> None:

@@ -391,16 +391,22 @@ class LinkSocket:
             self.lost = True
 
     def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> list:
-        import zmq
-        if not self.lost:
-            try:
-                frames = self.link.recv()
-            except LinkClosed:
-                self.lost = True
-                frames = None
-            if frames is not None:
-                return frames
-        raise zmq.Again()
+        frames = self.take()
+        if frames is None:
+            import zmq
+            raise zmq.Again()
+        return frames
+
+    def take(self) -> list | None:
+        """The next whole message, or None when none is there (:meth:`recv_multipart` without
+        the exception, for a loop that drains every turn)."""
+        if self.lost:
+            return None
+        try:
+            return self.link.recv()
+        except LinkClosed:
+            self.lost = True
+            return None
 
     def poll(self, timeout: int | None = None, flags: int = 1) -> int:
         """POLLIN (1) when a message can be taken, else 0 after ``timeout`` ms; writes what is

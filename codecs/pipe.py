@@ -4,7 +4,7 @@ handed over as lists of frames, with no socket, no system call and no thread bet
 A shard whose core runs inside the broker's process (``gradbus broker --inproc-shard``) talks to
 the broker over a :class:`Pipe` where it would use a local link or its DEALER: the shard's end
 (:class:`ShardEnd`) has the calls of a DEALER that the shard's loop makes (``send``,
-``send_multipart``, ``recv_multipart``, ``poll``, ``close``, ``lost``), so the shard runs the
+``send_multipart``, ``recv_multipart``, ``poll``, ``close``, ``lost``; and ``take``), so the shard runs the
 same code it runs in a process of its own. Nothing here waits: the broker's loop hands a
 message to the shard (:meth:`Pipe.put`), lets the shard take what is there, and takes what the
 shard sent back (:meth:`Pipe.take`), all on the one thread.
@@ -74,9 +74,15 @@ class ShardEnd:
             self.pipe.to_broker.append([_view(f) for f in frames])
 
     def recv_multipart(self, flags: int = 0, copy: bool = True, track: bool = False) -> list:
-        if self.pipe.to_shard:
-            return self.pipe.to_shard.popleft()
-        raise zmq.Again()
+        frames = self.take()
+        if frames is None:
+            raise zmq.Again()
+        return frames
+
+    def take(self) -> list | None:
+        """The next message, or None when none waits (:meth:`recv_multipart` without the
+        exception, for a loop that drains every turn)."""
+        return self.pipe.to_shard.popleft() if self.pipe.to_shard else None
 
     def poll(self, timeout: int | None = None, flags: int = 1) -> int:
         """POLLIN (1) when a message is waiting (or the pipe closed), else 0 at once: the

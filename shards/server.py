@@ -366,10 +366,10 @@ class ShardServer:
     def _drain(self) -> None:
         """Up to DRAIN_MAX waiting messages: the registration's to the state machine, the
         core's to the core (its replies sent), checkpoint and stop requests here."""
+        take = getattr(self.sock, "take", None) or self._recv
         for _ in range(DRAIN_MAX):
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = take()
+            if frames is None:
                 break
             self._heard()
             head = _peek(frames[0]) if frames else None
@@ -416,6 +416,13 @@ class ShardServer:
                 self.reg.sent(self.clock())
             if self.reg.quiet(self.clock()):
                 break   # a slow shard still heartbeats between messages
+
+    def _recv(self) -> list | None:
+        """The DEALER's next message, or None when none waits."""
+        try:
+            return self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
 
     def metrics(self) -> dict:
         """A snapshot for the Prometheus exporter: the core's, the checkpoints' and shared

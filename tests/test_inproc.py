@@ -47,6 +47,9 @@ def test_the_pipe_hands_whole_messages_over_as_views_in_order():
     assert bytes(got[0]) == b"head" and bytes(got[1]) == b"zmq-frame"
     assert np.array_equal(np.frombuffer(got[2], np.float32), arr)
     assert [bytes(f) for f in end.recv_multipart()] == [b"second"]
+    assert end.take() is None                  # the loop's drain: empty says so, no exception
+    pipe.put([b"third"])
+    assert [bytes(f) for f in end.take()] == [b"third"] and end.take() is None
     end.send(b"one")
     end.send_multipart([b"two", b"parts"])
     assert [bytes(f) for f in pipe.take()] == [b"one"]

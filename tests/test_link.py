@@ -259,3 +259,25 @@ def test_listener_accepts_its_user_and_reads_the_introduction():
         listener.close()
     assert link.connect("bad\0name", b"client", b"x") is None
     assert os.getuid() >= 0
+
+
+def test_a_link_socket_takes_whole_messages_and_says_none_when_there_is_none(pair):
+    a, b = pair
+    sock = link.LinkSocket(b)
+    assert sock.take() is None
+    a.send([b"head", b"body"])
+    deadline = time.monotonic() + 10
+    got = None
+    while got is None and time.monotonic() < deadline:
+        sock.poll(100)
+        got = sock.take()
+    assert [bytes(f) for f in got] == [b"head", b"body"]
+    assert sock.take() is None and not sock.lost
+    a.sock.close()                      # the peer goes away: lost, for good
+    while not sock.lost and time.monotonic() < deadline:
+        sock.poll(100)
+        assert sock.take() is None
+    assert sock.lost and sock.take() is None
+    import zmq
+    with pytest.raises(zmq.Again):
+        sock.recv_multipart()

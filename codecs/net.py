@@ -40,6 +40,7 @@ def poll_spinning(poller: zmq.Poller, timeout: float, spin: float) -> dict:
                 return dict(got)
             if clock() >= end:
                 break
+            os.sched_yield()       # the core to any thread that can run on it now
         timeout -= spin
     return dict(poller.poll(timeout * 1000))
 

@@ -44,6 +44,17 @@ def test_a_spin_polls_without_blocking_then_blocks_for_the_rest():
     assert last == pytest.approx(49.0)         # the timeout less the spin, in milliseconds
 
 
+def test_the_spin_gives_the_core_away_between_two_empty_polls(monkeypatch):
+    yields = []
+    monkeypatch.setattr(net.os, "sched_yield", lambda: yields.append(1))
+    p = FakePoller([[], [], [("sock", 1)]])
+    assert net.poll_spinning(p, 0.05, 10.0) == {"sock": 1}
+    assert len(yields) == 2                     # after each poll that found nothing
+    yields.clear()
+    assert net.poll_spinning(FakePoller(), 0.01, 0.0) == {}
+    assert yields == []                         # no spin, no yield
+
+
 def test_a_message_within_the_spin_is_returned_without_blocking():
     p = FakePoller([[], [], [("sock", 1)]])
     assert net.poll_spinning(p, 0.05, 10.0) == {"sock": 1}

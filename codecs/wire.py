@@ -145,6 +145,8 @@ def frame_buffer(frame):
 def frame_len(frame) -> int:
     """A frame's length in bytes without copying it."""
     t = type(frame)
+    if t is memoryview:             # a link's or a pipe's frame
+        return frame.nbytes
     if t is zmq.Frame or t is bytes:
         return len(frame)
     return frame.buffer.nbytes if hasattr(frame, "buffer") else memoryview(frame).nbytes
@@ -274,7 +276,9 @@ def parse_desc(d, max_tensor_bytes: int = MAX_TENSOR_BYTES) -> TensorDesc:
         _bad(Code.BAD_FIELD, f"{key}: n must be a non-negative int")
     if type(x) is not int or not 0 <= x < 2**64:
         _bad(Code.BAD_FIELD, f"{key}: x (checksum) must be a uint64")
-    fixed = tcodec.encoded_len_fixed(codec, dtype, shape)  # raises BAD_CODEC
+    # raw: the array's bytes (the chain every uncompressed push and weight has); any other
+    # chain is parsed (raises BAD_CODEC)
+    fixed = size * itemsize if codec == "raw" else tcodec.encoded_len_fixed(codec, dtype, shape)
     if fixed is not None and fixed != n:
         _bad(Code.BAD_SHAPE, f"{key}: shape {shape} of {dtype} with codec {codec} needs "
                              f"{fixed} bytes, header says {n}")

@@ -182,6 +182,8 @@ class NumpyBackend:
         m = min(self.chunk_len(w.dtype), w.size)
         got, total = scratch[:m], scratch[m:2 * m]
         lr = w.dtype.type(lr)
+        if len(reads) == 1 and reads[0][1] is None:    # no sum, no scale: numba's loop alone
+            return not self._reading_loop(loop, w, reads, lr, out, got, total)
         with np.errstate(over="ignore", invalid="ignore"):   # a sum past the range: flagged
             bad = self._reading_loop(loop, w, reads, lr, out, got, total)
         return not bad

@@ -26,6 +26,8 @@ _fallbacks_lock = threading.Lock()   # ``+=`` on a global is not atomic between 
 
 def array_module(a):
     """``cupy`` for a CuPy array, else ``numpy``."""
+    if type(a) is np.ndarray:
+        return np
     if type(a).__module__.split(".")[0] == "cupy":
         import cupy
         return cupy
@@ -33,7 +35,7 @@ def array_module(a):
 
 
 def is_device(a) -> bool:
-    return array_module(a) is not np
+    return type(a) is not np.ndarray and array_module(a) is not np
 
 
 def to_host(a) -> np.ndarray:

@@ -367,8 +367,9 @@ class LinkSocket:
     """A link behind the calls of a ZeroMQ DEALER that a peer's loop makes (``send``,
     ``send_multipart``, ``recv_multipart``, ``poll``, ``close``), so that a loop written for
     the DEALER runs over a link unchanged. ``recv_multipart`` raises ``zmq.Again`` when no whole
-    message is there; once the peer closed the link (or a message could not be queued) it does
-    so for good and ``lost`` is set: the loop makes a new connection."""
+    message is there (``take`` returns None instead); once the peer closed the link (or a
+    message could not be queued) it does so for good and ``lost`` is set: the loop makes a new
+    connection."""
 
     def __init__(self, lnk: Link):
         self.link = lnk

@@ -4,10 +4,11 @@ handed over as lists of frames, with no socket, no system call and no thread bet
 A shard whose core runs inside the broker's process (``gradbus broker --inproc-shard``) talks to
 the broker over a :class:`Pipe` where it would use a local link or its DEALER: the shard's end
 (:class:`ShardEnd`) has the calls of a DEALER that the shard's loop makes (``send``,
-``send_multipart``, ``recv_multipart``, ``poll``, ``close``, ``lost``; and ``take``), so the shard runs the
-same code it runs in a process of its own. Nothing here waits: the broker's loop hands a
-message to the shard (:meth:`Pipe.put`), lets the shard take what is there, and takes what the
-shard sent back (:meth:`Pipe.take`), all on the one thread.
+``send_multipart``, ``recv_multipart``, ``poll``, ``close``, ``lost``; and ``take``, which a
+link's end has too), so the shard runs the same code it runs in a process of its own.
+Nothing here waits: the broker's loop hands a message to the shard (:meth:`Pipe.put`), lets
+the shard take what is there, and takes what the shard sent back (:meth:`Pipe.take`), all on
+the one thread.
 
 The receiver sees each frame as a flat byte view (a ``memoryview``), as it sees frames read
 from a local link; a frame is never copied. What crosses the pipe is still a whole protocol

@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import pstats
-import signal
 import subprocess
 import sys
 import tempfile
@@ -105,13 +104,7 @@ def _run(config: str, nbytes: int, pushes: int, work: str) -> dict:
         return {"worker": counted.n, **stats}
     finally:
         for p in reversed(procs):       # the shard first: its statistics are written at exit
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+            peers.end_process(p)
         for f in logs:
             f.close()
 

@@ -7,9 +7,10 @@ on), one SDK client on the same host pushing a ``--size`` float32 tensor with ``
 ``--pushes`` pushes after a warm-up of ``--warmup``. Each depth is run ``--rounds`` times,
 interleaved with the others, against the same broker. One JSON line per depth: the medians
 over rounds of wall time per push (``us_per_push``; the round trip at depth 1), the broker's
-and the client's CPU per push (microseconds: the broker's utime + stime from ``/proc``, in
-clock ticks, so a round wants a second or more; this process's own ``process_time``) and their voluntary
-context switches per push (every thread), and each round's figures. Times move with the
+and the client's CPU per push (microseconds: the broker's utime + stime from ``/proc``, by
+``peers.cpu_seconds``, in clock ticks, so a round wants a second or more; this process's own
+``process_time``) and their voluntary context switches per push (every thread), and each
+round's figures. Times move with the
 machine's load: compare depths, or a change and the commit before it, within one run or in
 alternating runs.
 
@@ -31,19 +32,11 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import peers  # noqa: E402  (a gradbus command's URL from its log)
+import peers  # noqa: E402  (a command's URL from its log; CPU from /proc; ending it)
 import throughput  # noqa: E402  (free ports)
 
 SIZES = {"4K": 4 << 10, "64K": 64 << 10, "1M": 1 << 20}
 READY_TIMEOUT = 60.0
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _cpu_s(pid: int) -> float:
-    """utime + stime of process ``pid``, seconds (in clock ticks: time enough pushes)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def _switches(pid: int | str) -> int:
@@ -72,13 +65,13 @@ def _pushes(c, g, count: int, depth: int) -> None:
 
 def _round(c, g, broker: int, depth: int, pushes: int, warmup: int) -> dict:
     _pushes(c, g, warmup, depth)
-    b0, s0, w0 = _cpu_s(broker), _switches(broker), _switches("self")
+    b0, s0, w0 = peers.cpu_seconds(), _switches(broker), _switches("self")
     t0, c0 = time.perf_counter(), time.process_time()
     _pushes(c, g, pushes, depth)
     wall, c1 = time.perf_counter() - t0, time.process_time()
-    b1, s1, w1 = _cpu_s(broker), _switches(broker), _switches("self")
+    b1, s1, w1 = peers.cpu_seconds(), _switches(broker), _switches("self")
     return {"us_per_push": 1e6 * wall / pushes,
-            "broker_cpu_us": 1e6 * (b1 - b0) / pushes,
+            "broker_cpu_us": 1e6 * peers.cpu_between(b0, b1) / pushes,   # the one child
             "client_cpu_us": 1e6 * (c1 - c0) / pushes,
             "broker_switches": (s1 - s0) / pushes,
             "client_switches": (w1 - w0) / pushes}

@@ -29,7 +29,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -167,10 +166,9 @@ def _consumer(back, warmup, seconds, out):
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on now (below the ephemeral range)."""
+    from gradbus.cluster import free_ports
+    return free_ports(1)[0]
 
 
 def run_proxy(nbytes, producers, consumers, warmup, seconds) -> float:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from gradbus.cluster import free_ports
+
 HERE = Path(__file__).resolve().parent
 DASHBOARD = HERE / "grafana" / "dashboards" / "gradbus.json"
 RULES = HERE / "alerts.yml"
@@ -62,9 +64,7 @@ def exported_names(text: str) -> set[str]:
 # -- plumbing -----------------------------------------------------------------------------------
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_run(n: int) -> int:

@@ -9,7 +9,9 @@ the ports it had, a shard from its newest checkpoint when the cluster has a data
 from __future__ import annotations
 
 import ctypes
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,9 +21,14 @@ from gradbus.codecs import net, security
 from gradbus.codecs.errors import GradbusError
 
 STOP_GRACE = 5.0
+PORT_TRIES = 3             # starts of a broker pair on freshly drawn ports
 RESTART_WINDOW = 60.0      # seconds over which a process's restarts are counted
 RESTARTS = 5               # restarts of one process within RESTART_WINDOW before giving up
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0    # seconds before a restart: doubles with each recent one
+
+
+class PortTaken(GradbusError):
+    """A broker could not start: a port it was to bind is in use."""
 
 
 def end_processes(procs, grace: float = STOP_GRACE) -> list[int]:
@@ -103,10 +110,7 @@ class LocalCluster:
         self.broker_names = ["broker", "broker-b"][:brokers]
         self.pair_ports: dict[str, list[int]] = {}
         if brokers == 2:
-            ports = free_ports(8, host)
-            if port:
-                ports[0] = port
-            self.pair_ports = {"broker": ports[:4], "broker-b": ports[4:]}
+            self._pick_pair_ports(host, port)
         self.broker_procs: dict[str, subprocess.Popen] = {}
         self.n_shards = shards
         # Prometheus endpoints: the broker on metrics_port, shard i on metrics_port + 1 + i
@@ -154,6 +158,12 @@ class LocalCluster:
         else:
             self.broker_procs["broker"] = proc
 
+    def _pick_pair_ports(self, host: str, port: int) -> None:
+        ports = free_ports(8, host)
+        if port:
+            ports[0] = port
+        self.pair_ports = {"broker": ports[:4], "broker-b": ports[4:]}
+
     def broker_url(self, name: str) -> str:
         """A pair's broker ``name``'s client URL."""
         return net.url(self.host, self.pair_ports[name][0])
@@ -168,8 +178,7 @@ class LocalCluster:
     def start(self) -> "LocalCluster":
         try:
             if self.processes:
-                for name in self.broker_names:
-                    self.start_broker(name)
+                self._start_brokers()
                 for sid in self.shard_ids if not self.inproc else ():
                     self.add_shard(sid)
             else:
@@ -185,6 +194,21 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _start_brokers(self) -> None:
+        """Start the broker or the pair; a pair whose drawn ports something else bound in the
+        meantime is started again on others (at most PORT_TRIES times)."""
+        for attempt in range(1, PORT_TRIES + 1):
+            try:
+                for name in self.broker_names:
+                    self.start_broker(name)
+                return
+            except PortTaken:
+                if not self.pair_ports or attempt == PORT_TRIES:
+                    raise
+                end_processes(self.broker_procs.values())
+                self.broker_procs.clear()
+                self._pick_pair_ports(self.host, self.port)
 
     def start_broker(self, name: str = "broker") -> None:
         """Start the broker process (of a pair: broker ``name``); the first start pins the
@@ -216,8 +240,13 @@ class LocalCluster:
         line = proc.stdout.readline().strip()
         if not line.startswith("listening: "):
             proc.kill()
-            proc.wait()
-            raise GradbusError(f"broker failed to start (said {line!r})")
+            code = proc.wait()
+            asked = self.pair_ports[name] if self.pair_ports else [
+                self.port, self.backend_port, self.events_port]
+            taken = [p for p in asked if p and not _bindable(self.host, p)]
+            if taken:
+                raise PortTaken(f"broker {name} could not bind: port(s) {taken} in use")
+            raise GradbusError(f"broker failed to start (exit {code}, said {line!r})")
         if self.pair_ports:
             self.url = ",".join(self.broker_url(n) for n in self.broker_names)
             return
@@ -386,18 +415,52 @@ class LocalCluster:
             p.pid for p in self.broker_procs.values()]
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` ports free right now (bound then released: for pinning a broker's ports so that it
-    can be restarted on them)."""
-    import socket
-    socks = [socket.socket() for _ in range(n)]
+PINNED_LOW = 10000          # the lowest port free_ports hands out
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (every ``connect`` and every ``bind`` to
+    port 0 on this host takes its local port from there)."""
     try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free right now, for pinning a broker's ports so that it can be
+    restarted on them. They are drawn at random below the kernel's ephemeral range: a port
+    released there may be taken by any outgoing connection on the host (a client's local port)
+    before the broker binds it; below it only another explicit bind can."""
+    low = _ephemeral_low()
+    if low - PINNED_LOW < 1000:        # no room below the range: the kernel's choice
+        socks = [socket.socket() for _ in range(n)]
+        try:
+            for s in socks:
+                s.bind((host, 0))
+            return [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+    draw = random.SystemRandom()
+    ports: list[int] = []
+    for _ in range(200 * n):
+        port = draw.randrange(PINNED_LOW, low)
+        if port not in ports and _bindable(host, port):
+            ports.append(port)
+            if len(ports) == n:
+                return ports
+    raise GradbusError(f"no {n} free ports between {PINNED_LOW} and {low} on {host}")
 
 
 def in_process(shards: int = 2, **kw) -> LocalCluster:

@@ -6,7 +6,6 @@ import os
 import pathlib
 import selectors
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from click.testing import CliRunner
 from gradbus import config
 from gradbus.broker.core import SHARD_CREDIT
 from gradbus.cli import main
-from gradbus.cluster import end_processes
+from gradbus.cluster import end_processes, free_ports
 from gradbus.codecs.errors import GradbusError
 from gradbus.config import tomllib
 
@@ -351,12 +350,6 @@ def test_up_hands_the_file_to_its_children(tmp_path, monkeypatch):
     assert seen["replicas"] == 2      # from the file
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _readline(proc: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
@@ -370,7 +363,7 @@ def _readline(proc: subprocess.Popen, timeout: float) -> str:
 
 
 def test_broker_binds_the_port_from_the_file(tmp_path):
-    port = _free_port()
+    port = free_ports(1)[0]
     f = _write(tmp_path, f"[broker]\nhost = '127.0.0.1'\nport = {port}\npartitions = 16\n"
                          f"[client]\nbroker = 'tcp://127.0.0.1:{port}'\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("GRADBUS_")}

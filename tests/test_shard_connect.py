@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +22,7 @@ import threading
 import pytest
 import zmq
 
-from gradbus.cluster import STOP_GRACE, end_processes
+from gradbus.cluster import STOP_GRACE, end_processes, free_ports
 from gradbus.codecs import security, wire
 from gradbus.shards.registration import Connect, Phase, Registration
 
@@ -221,18 +220,12 @@ def _end(proc: subprocess.Popen) -> None:
     end_processes([proc], 20)
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shard(url: str) -> _Proc:
     return _Proc("shard", "--broker", url, "--id", "s0", "-v")
 
 
 def test_sigterm_stops_a_shard_looking_for_a_broker_that_is_not_there():
-    shard = _shard(f"tcp://127.0.0.1:{_closed_port()}")
+    shard = _shard(f"tcp://127.0.0.1:{free_ports(1)[0]}")
     try:
         shard.wait_said("asking the broker")
         code = shard.terminated()

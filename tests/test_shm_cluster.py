@@ -20,7 +20,7 @@ import pytest
 import gradbus
 from gradbus import admin, metrics
 from gradbus.broker import log as ulog
-from gradbus.cluster import LocalCluster
+from gradbus.cluster import LocalCluster, free_ports
 from gradbus.codecs import shm
 from gradbus.codecs.partition import partition_of
 
@@ -528,10 +528,7 @@ def test_a_new_broker_keeps_dead_processes_rings_until_every_shard_registered(sh
     """A dead broker's relay ring, and a dead client's ring, may be named by batches a shard
     still holds from before the broker's restart: the new broker removes them only once it
     recovered (here: both expected shards registered), a dead shard's board at once."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     tag = shm.cluster_tag(f"127.0.0.1:{port}")
     relay, ring = _dead_owners_segment(tag, "b"), _dead_owners_segment(tag, "w")
     board = _dead_owners_segment(tag, "s")

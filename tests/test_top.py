@@ -8,7 +8,6 @@ import os
 import re
 import select
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from rich.console import Console
 import gradbus
 from gradbus import top
 from gradbus.cli import main
+from gradbus.cluster import free_ports
 
 from .rigs import wait_for
 
@@ -271,7 +271,7 @@ def test_curve_options_and_config_file_as_status_takes_them(make_cluster, tmp_pa
 
 
 def test_once_without_a_broker_is_a_clear_error():
-    r = CliRunner().invoke(main, ["top", "--broker", f"tcp://127.0.0.1:{_free_port()}",
+    r = CliRunner().invoke(main, ["top", "--broker", f"tcp://127.0.0.1:{free_ports(1)[0]}",
                                   "--once", "--interval", "0.1"])
     assert r.exit_code == 1 and "no reply from the broker" in r.output
 
@@ -280,12 +280,6 @@ def test_once_without_a_broker_is_a_clear_error():
 
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07]*\x07|\x1b[()][0-9A-Za-z]|\x1b[=>78]")
 LEAVE_ALT_SCREEN = b"\x1b[?1049l"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _terminal_signals() -> None:
@@ -412,7 +406,7 @@ def test_top_in_a_pty_refreshes_and_quits_on_q(make_cluster):
 
 
 def test_top_in_a_pty_without_a_broker_keeps_trying_and_quits_on_ctrl_c():
-    term = _Pty(f"tcp://127.0.0.1:{_free_port()}", interval="0.1")
+    term = _Pty(f"tcp://127.0.0.1:{free_ports(1)[0]}", interval="0.1")
     try:
         term.wait_screen(lambda s: "broker not answering" in s, 20, "the not-answering note")
         assert term.proc.poll() is None

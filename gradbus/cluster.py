@@ -28,7 +28,11 @@ BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0    # seconds before a restart: doubles with
 
 
 class PortTaken(GradbusError):
-    """A broker could not start: a port it was to bind is in use."""
+    """A broker could not start: ``ports`` it was to bind are in use."""
+
+    def __init__(self, ports: list[int], message: str):
+        super().__init__(message)
+        self.ports = ports
 
 
 def end_processes(procs, grace: float = STOP_GRACE) -> list[int]:
@@ -109,8 +113,6 @@ class LocalCluster:
         # restarted where the other, the shards and the clients look for it
         self.broker_names = ["broker", "broker-b"][:brokers]
         self.pair_ports: dict[str, list[int]] = {}
-        if brokers == 2:
-            self._pick_pair_ports(host, port)
         self.broker_procs: dict[str, subprocess.Popen] = {}
         self.n_shards = shards
         # Prometheus endpoints: the broker on metrics_port, shard i on metrics_port + 1 + i
@@ -122,15 +124,18 @@ class LocalCluster:
         self.shard_extra = shard_extra or {}
         self.replicas = replicas
         self.host, self.port, self.partitions = host, port, partitions
-        # the broker's shard and events ports (0: free ones); pinned once it bound them, so that
-        # a restarted broker comes back where shards and clients look for it
+        # the broker's shard and events ports; pinned, so that a restarted broker comes back
+        # where shards and clients look for them: those asked as 0 are drawn now (free_ports)
         self.backend_port, self.events_port = backend_port, events_port
+        self._asked = {p for p in (port, backend_port, events_port) if p}
+        self.processes = processes
+        if processes:
+            self._draw_ports()
         # shards checkpoint under data_dir and start from their newest checkpoint there, or,
         # without one, from restore_from[shard id] (a checkpoint directory)
         self.data_dir = data_dir
         self.restore_from = restore_from or {}
         self._started: set[str] = set()
-        self.processes = processes
         self.inproc = inproc
         self.ready_timeout = ready_timeout
         self.broker_args = broker_args or []
@@ -158,11 +163,18 @@ class LocalCluster:
         else:
             self.broker_procs["broker"] = proc
 
-    def _pick_pair_ports(self, host: str, port: int) -> None:
-        ports = free_ports(8, host)
-        if port:
-            ports[0] = port
-        self.pair_ports = {"broker": ports[:4], "broker-b": ports[4:]}
+    def _draw_ports(self) -> None:
+        """Draw the ports the broker (or the pair: four each) binds that were not asked for."""
+        if len(self.broker_names) == 2:
+            ports = free_ports(8, self.host)
+            if self.port in self._asked:
+                ports[0] = self.port
+            self.pair_ports = {"broker": ports[:4], "broker-b": ports[4:]}
+            return
+        drawn = iter(free_ports(3, self.host))
+        self.port, self.backend_port, self.events_port = (
+            p if p in self._asked else next(drawn)
+            for p in (self.port, self.backend_port, self.events_port))
 
     def broker_url(self, name: str) -> str:
         """A pair's broker ``name``'s client URL."""
@@ -196,23 +208,22 @@ class LocalCluster:
         return self
 
     def _start_brokers(self) -> None:
-        """Start the broker or the pair; a pair whose drawn ports something else bound in the
-        meantime is started again on others (at most PORT_TRIES times)."""
+        """Start the broker or the pair; where a port drawn for them was bound by something
+        else in the meantime, they are started again on others (at most PORT_TRIES times)."""
         for attempt in range(1, PORT_TRIES + 1):
             try:
                 for name in self.broker_names:
                     self.start_broker(name)
                 return
-            except PortTaken:
-                if not self.pair_ports or attempt == PORT_TRIES:
+            except PortTaken as e:
+                if attempt == PORT_TRIES or set(e.ports) & self._asked:
                     raise
                 end_processes(self.broker_procs.values())
                 self.broker_procs.clear()
-                self._pick_pair_ports(self.host, self.port)
+                self._draw_ports()
 
     def start_broker(self, name: str = "broker") -> None:
-        """Start the broker process (of a pair: broker ``name``); the first start pins the
-        ports it bound."""
+        """Start the broker process (of a pair: broker ``name``) on its pinned ports."""
         if self.pair_ports:
             mine = self.pair_ports[name]
             other = self.pair_ports["broker-b" if name == "broker" else "broker"]
@@ -220,11 +231,8 @@ class LocalCluster:
                      "--events-port", str(mine[2]), "--peer-port", str(mine[3]),
                      "--peer", net.url(self.host, other[3])]
         else:
-            ports = ["--port", str(self.port)]
-            if self.backend_port:
-                ports += ["--backend-port", str(self.backend_port)]
-            if self.events_port:
-                ports += ["--events-port", str(self.events_port)]
+            ports = ["--port", str(self.port), "--backend-port", str(self.backend_port),
+                     "--events-port", str(self.events_port)]
         old = self.broker_procs.get(name)
         if old is not None and old.poll() is not None and old.stdout:
             old.stdout.close()            # a broker that ended, started again
@@ -245,18 +253,12 @@ class LocalCluster:
                 self.port, self.backend_port, self.events_port]
             taken = [p for p in asked if p and not _bindable(self.host, p)]
             if taken:
-                raise PortTaken(f"broker {name} could not bind: port(s) {taken} in use")
+                raise PortTaken(taken, f"broker {name} could not bind: port(s) {taken} in use")
             raise GradbusError(f"broker failed to start (exit {code}, said {line!r})")
         if self.pair_ports:
             self.url = ",".join(self.broker_url(n) for n in self.broker_names)
             return
         self.url = line.split(" ", 1)[1]
-        if not (self.port and self.backend_port and self.events_port):
-            self.port = int(net.split_url(self.url)[1])
-            import zmq
-            welcome = net.hello(zmq.Context.instance(), self.url, "client", self.ready_timeout,
-                                curve=self.curve)
-            self.backend_port, self.events_port = welcome["backend"], welcome["events"]
 
     def _restore_args(self, shard_id: str) -> list[str]:
         """A shard's first start loads restore_from[shard id] where there is one; otherwise,
@@ -428,10 +430,17 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _socket(host: str) -> tuple[socket.socket, tuple]:
+    """A TCP socket of ``host``'s address family, and the address to bind (its port 0)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    return socket.socket(family, kind, proto), addr
+
+
 def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as s:
+    s, addr = _socket(host)
+    with s:
         try:
-            s.bind((host, port))
+            s.bind((addr[0], port, *addr[2:]))
         except OSError:
             return False
     return True
@@ -444,10 +453,12 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     before the broker binds it; below it only another explicit bind can."""
     low = _ephemeral_low()
     if low - PINNED_LOW < 1000:        # no room below the range: the kernel's choice
-        socks = [socket.socket() for _ in range(n)]
+        socks = []
         try:
-            for s in socks:
-                s.bind((host, 0))
+            for _ in range(n):
+                s, addr = _socket(host)
+                socks.append(s)
+                s.bind(addr)
             return [s.getsockname()[1] for s in socks]
         finally:
             for s in socks:

@@ -19,6 +19,12 @@ def test_free_ports_are_distinct_bindable_and_below_the_ephemeral_range():
             s.bind(("127.0.0.1", p))
 
 
+def test_without_room_below_the_range_the_kernel_chooses(monkeypatch):
+    monkeypatch.setattr(cluster_mod, "_ephemeral_low", lambda: cluster_mod.PINNED_LOW + 10)
+    ports = free_ports(3)
+    assert len(set(ports)) == 3 and all(p > 0 for p in ports)
+
+
 @pytest.fixture
 def listener():
     """A port something else listens on."""
@@ -57,3 +63,34 @@ def test_a_pair_whose_drawn_port_was_taken_starts_on_others(listener, monkeypatc
     finally:
         c.stop()
     assert all(p.poll() is not None for p in c.broker_procs.values())
+
+
+def test_a_broker_drawn_ports_are_pinned_and_it_comes_back_on_them(listener, monkeypatch):
+    """Ports left to the cluster are drawn before the broker starts (one taken meanwhile: drawn
+    again), and a killed broker is started again on the same three."""
+    real, draws = cluster_mod.free_ports, []
+
+    def once_taken(n, host="127.0.0.1"):
+        ports = real(n, host)
+        if not draws:
+            ports[2] = listener           # the events port
+        draws.append(ports)
+        return ports
+
+    monkeypatch.setattr(cluster_mod, "free_ports", once_taken)
+    c = LocalCluster(1, quiet=True)
+    try:
+        c.start()
+        assert len(draws) == 2
+        pinned = [c.port, c.backend_port, c.events_port]
+        assert pinned == draws[1] and listener not in pinned
+        low = cluster_mod._ephemeral_low()
+        assert all(p < low for p in pinned)
+        c.broker_proc.kill()
+        c.broker_proc.wait(10)
+        c.start_broker()
+        assert c.url == f"tcp://127.0.0.1:{pinned[0]}"
+        assert [c.port, c.backend_port, c.events_port] == pinned
+        c.wait_ready(1)
+    finally:
+        c.stop()

@@ -259,9 +259,11 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
               help="Prometheus metrics: the broker on PORT, shard i on PORT+1+i (0: free ports; "
                    "unset: off). `gradbus status --json` lists every URL.")
 @click.option("--backend-port", default=None, type=click.IntRange(0, 65535),
-              help="The broker's shard port (default: a free one, kept across its restarts).")
+              help="The broker's shard port (default: a free one below the ephemeral range, "
+                   "kept across its restarts).")
 @click.option("--events-port", default=None, type=click.IntRange(0, 65535),
-              help="The broker's events port (default: a free one, kept across its restarts).")
+              help="The broker's events port (default: a free one below the ephemeral range, "
+                   "kept across its restarts).")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Shards checkpoint under DIR/<shard id>/ and start (and restart) from their "
                    "newest checkpoint there (default: the [shard] data_dir setting; unset: "

@@ -21,7 +21,7 @@ from gradbus.codecs import net, security
 from gradbus.codecs.errors import GradbusError
 
 STOP_GRACE = 5.0
-PORT_TRIES = 3             # starts of a broker pair on freshly drawn ports
+PORT_TRIES = 3             # starts of the broker (or pair) on freshly drawn ports
 RESTART_WINDOW = 60.0      # seconds over which a process's restarts are counted
 RESTARTS = 5               # restarts of one process within RESTART_WINDOW before giving up
 BACKOFF_MIN, BACKOFF_MAX = 0.5, 10.0    # seconds before a restart: doubles with each recent one

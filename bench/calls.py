@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from gradbus.cluster import end_processes
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402  (a gradbus command's URL from its log)
 import throughput  # noqa: E402  (free ports)
@@ -104,7 +106,7 @@ def _run(config: str, nbytes: int, pushes: int, work: str) -> dict:
         return {"worker": counted.n, **stats}
     finally:
         for p in reversed(procs):       # the shard first: its statistics are written at exit
-            peers.end_process(p)
+            end_processes([p], 60)
         for f in logs:
             f.close()
 

@@ -257,18 +257,6 @@ def _wait_ready(up: subprocess.Popen, log: str, timeout: float, prefix: str = "r
     raise TimeoutError(f"gradbus up not ready in {timeout:.0f}s")
 
 
-def end_process(proc: subprocess.Popen, grace: float = 60.0) -> None:
-    """SIGTERM to ``proc`` if it still runs (a gradbus server's clean stop), SIGKILL if it
-    outlives ``grace``; it is reaped."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
     """SIGINT to a process group led by ``proc`` (the way Ctrl-C stops ``gradbus up``), then
     SIGKILL to the group if its leader outlives ``grace``; the leader is reaped."""

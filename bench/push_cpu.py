@@ -31,6 +31,8 @@ import time
 
 import numpy as np
 
+from gradbus.cluster import end_processes
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import peers  # noqa: E402  (a command's URL from its log; CPU from /proc; ending it)
 import throughput  # noqa: E402  (free ports)
@@ -100,7 +102,7 @@ def run(nbytes: int, depths: list[int], pushes: int, warmup: int, rounds: int):
                 yield {**{k: round(statistics.median(r[k] for r in rs), 2) for k in rs[0]},
                        "depth": d, "rounds": [{k: round(v, 2) for k, v in r.items()} for r in rs]}
         finally:
-            peers.end_process(proc)
+            end_processes([proc], 60)
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from gradbus import admin
+from gradbus import admin, stderr_tail
 from gradbus.codecs import net, security
 from gradbus.codecs.errors import GradbusError
 
@@ -182,10 +182,20 @@ class LocalCluster:
 
     # -- processes ---------------------------------------------------------------------
     def _spawn(self, args: list[str]) -> subprocess.Popen:
-        return subprocess.Popen(
-            [sys.executable, "-m", "gradbus", *args], stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL if self.quiet else None, text=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        """``gradbus <args>`` started; quiet, its stderr is kept for what it last said
+        (``proc.stderr_tail``, :mod:`gradbus.stderr_tail`), for the error if it fails."""
+        tail = stderr_tail.StderrTail() if self.quiet else None
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "gradbus", *args], stdout=subprocess.PIPE,
+                stderr=tail.fd if tail else None, text=True,
+                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        except BaseException:
+            if tail:
+                tail.abandon()
+            raise
+        proc.stderr_tail = tail.started(args[0]) if tail else None
+        return proc
 
     def start(self) -> "LocalCluster":
         try:
@@ -254,7 +264,8 @@ class LocalCluster:
             taken = [p for p in asked if p and not _bindable(self.host, p)]
             if taken:
                 raise PortTaken(taken, f"broker {name} could not bind: port(s) {taken} in use")
-            raise GradbusError(f"broker failed to start (exit {code}, said {line!r})")
+            raise GradbusError(f"broker failed to start (exit {code}, said {line!r})"
+                               f"{stderr_tail.why(proc)}")
         if self.pair_ports:
             self.url = ",".join(self.broker_url(n) for n in self.broker_names)
             return
@@ -315,7 +326,8 @@ class LocalCluster:
         while True:
             for name, proc in self.shard_procs.items():
                 if proc.poll() is not None and proc.returncode != 0 and n == self.n_shards:
-                    raise GradbusError(f"{name} exited with {proc.returncode}")
+                    raise GradbusError(f"{name} exited with {proc.returncode}"
+                                       f"{stderr_tail.why(proc)}")
             try:
                 st = admin.status(self.url, timeout=1.0, curve=self.curve)
                 if sum(1 for s in st["shards"] if s["alive"]) >= n:

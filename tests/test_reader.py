@@ -13,6 +13,7 @@ import pytest
 
 import gradbus
 from gradbus import admin
+from gradbus.workers import reader as reader_mod
 from gradbus.workers.reader import LEND, LinkReader, ReadingFuture
 
 from .rigs import run_in_threads, wait_for
@@ -108,6 +109,19 @@ def test_a_caller_leaving_while_other_answers_are_due_gives_the_link_back_at_onc
     assert first.result(10) == {"msg": 1}
     assert not second.done()
     assert agent.wakes == 1 and not agent.reader.lent    # the agent reads for the second
+
+
+def test_a_callback_on_a_future_nobody_reads_for_takes_the_link_back(agent):
+    first = agent.push(1)
+    agent.link.peer.send(bytes([1]))
+    assert first.result(10) == {"msg": 1}
+    assert agent.reader.lent and agent.wakes == 0       # lent a while for the next caller
+    second = agent.push(2)
+    second.add_done_callback(lambda f: None)
+    assert not agent.reader.lent and agent.wakes == 1   # the agent reads for the callback
+    # a callback on a Future already resolved, or added while a caller reads, wakes nothing
+    first.add_done_callback(lambda f: None)
+    assert agent.wakes == 1
 
 
 def test_an_unanswered_wait_times_out(agent):
@@ -207,6 +221,23 @@ def test_answers_nobody_waits_on_still_settle(make_cluster):
         wait_for(lambda: len(called) == 20, 30, "every callback")   # no result() called
         assert sorted(called) == sorted(f.result(0)["msg"] for f in futs)
         _expect(c, 21, max(f.result(0)["ver"] for f in futs))
+
+
+def test_a_callback_after_a_waited_push_runs_when_its_answer_comes(make_cluster, monkeypatch):
+    """The link lent for a minute after a caller leaves, and the agent looking only every
+    minute meanwhile: a Future with only a callback, pushed right after a waited one, is
+    still resolved at once (its callback takes the link back to the agent)."""
+    monkeypatch.setattr(reader_mod, "LEND", 60.0)
+    monkeypatch.setattr(reader_mod, "AGENT_TICK", 60.0)
+    cluster = make_cluster(1)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(N, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        for n in range(1, 6):
+            c.push({"w": np.ones(N, np.float32)}).result(30)      # the link lent to a caller
+            called = threading.Event()
+            c.push({"w": np.ones(N, np.float32)}).add_done_callback(lambda f, e=called: e.set())
+            assert called.wait(20), f"the callback of push {2 * n} did not run"
+        _expect(c, 10, c.push({"w": np.zeros(N, np.float32)}).result(30)["ver"])
 
 
 def test_threads_waiting_on_one_client_each_get_their_own_answers(make_cluster):

@@ -17,9 +17,9 @@ While callers read the link, and for :data:`LEND` after the last one left it (th
 caller comes soon), the agent polls without the link's fd, so an answer wakes the caller alone.
 A caller that leaves while other answers are due gives the link back at once and wakes the
 agent, as does a thread about to wait for answers without reading (``flush()``, a full credit
-window, a ``pull`` waiting for a version: :meth:`LinkReader.recall`). What remains (an answer
-that comes as the last caller leaves, a Future with only a callback) the agent reads at its next
-look: it sleeps :data:`AGENT_TICK` at most while the link is lent. When the agent reads answers
+window, a ``pull`` waiting for a version, a callback added to a Future no caller reads for:
+:meth:`LinkReader.recall`). What remains (an answer that comes as the last caller leaves) the
+agent reads at its next look: it sleeps :data:`AGENT_TICK` at most while the link is lent. When the agent reads answers
 while the link is lent (it was still polling the link as a caller came), it wakes the callers
 asleep on the link through a pipe, since the bytes they wait for are gone; a caller looks again
 every :data:`CALLER_TICK` all the same.
@@ -65,6 +65,15 @@ class ReadingFuture(futures.Future):
 
     def exception(self, timeout: float | None = None):
         return super().exception(self._read(timeout))
+
+    def add_done_callback(self, fn) -> None:
+        """As a Future's; a callback on a Future not yet resolved may be all that waits for
+        it: where no caller reads the link now, the agent takes it back at once rather than
+        after :data:`LEND` (or :data:`AGENT_TICK`), so the callback runs when the answer comes
+        (:meth:`LinkReader.recall`)."""
+        super().add_done_callback(fn)
+        if not _settled(self):
+            self._reader.recall()
 
     def _read(self, timeout: float | None) -> float | None:
         """Read until this Future is resolved or ``timeout`` passes; the time left."""

@@ -68,8 +68,8 @@ class StderrTail:
 
 
 def why(proc) -> str:
-    """``": <what it last wrote>"`` for a process started with a tail (``proc.stderr_tail``)
-    that wrote something; "" otherwise."""
+    """``":\n"`` and what a process started with a tail (``proc.stderr_tail``) last wrote,
+    to end an error message with; "" where it wrote nothing or has no tail."""
     tail = getattr(proc, "stderr_tail", None)
     said = tail.text() if tail is not None else ""
     return f":\n{said}" if said else ""

@@ -57,6 +57,11 @@ and the CPU time (utime + stime in /proc/PID/stat) of every process under it at 
                       updates_per_s over that configuration's, same size, depth and round (the
                       median of the rounds' ratios with ``--repeat``); null when it did not run
 
+``--pause-us N`` (RPC and gradbus configurations only): each worker sleeps N microseconds after
+each update, as a worker computing its next gradient on a device waits for it, so that the
+server and the links go idle between updates as they do in training (a tight loop keeps every
+process warm); the round trips are then those after an idle spell. Lines carry ``pause_us``.
+
 With ``--repeat N`` the rounds are interleaved (every configuration, size and depth once per
 round) and a line gives medians and each round's ``rates``.
 
@@ -73,7 +78,7 @@ whose shard runs in the broker's process (no shard wake: the broker's loop hands
 Usage: python bench/peers.py [--sizes 64K,4M,16M] [--depth 1,4,32] [--seconds 4] [--warmup 1.5]
                              [--configs rpc,rpc_tcp,gradbus_shm,gradbus_inproc,gradbus_worker_noshm,
                                         floor_shm,floor_link]
-                             [--workers 2] [--repeat N] [--hops]
+                             [--workers 2] [--repeat N] [--pause-us N] [--hops]
 """
 from __future__ import annotations
 
@@ -193,7 +198,8 @@ def rpc_config(run: dict, counters, stop, lat, tcp_only: bool, clone: bool, host
     places = hosts.rpc_places(run["workers"]) if hosts is not None else None
     port = hosts.next_port() if hosts is not None else throughput.free_port()
     procs = peers_rpc.processes(ctx, run["workers"], run["bytes"], port, tcp_only, clone,
-                                run["depth"], counters, stop, lat, places)
+                                run["depth"], counters, stop, lat, places,
+                                run.get("pause", 0.0))
     try:
         for p in procs:
             p.start()
@@ -215,7 +221,7 @@ def end_workers(procs: list, stop, grace: float) -> None:
 
 
 def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, stop, lat,
-                    codec: str = "raw", spin_us: int = 0) -> None:
+                    codec: str = "raw", spin_us: int = 0, pause: float = 0.0) -> None:
     import gradbus
     from gradbus.codecs import hops
     n = nbytes // 4
@@ -239,6 +245,8 @@ def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, sto
                 if hops.ON:
                     hops.stamp("pull_returned", ack["msg"])
                 counters[index] += 1
+                if pause:
+                    time.sleep(pause)       # the next gradient's computation, elsewhere
         c.flush(60)
 
 
@@ -308,7 +316,7 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
             with environment(GRADBUS_SHM=worker_shm):
                 for i in range(run["workers"]):
                     args = (url, i, run["bytes"], run["depth"], counters, stop, lat[i],
-                            run.get("codec", "raw"), worker_spin_us)
+                            run.get("codec", "raw"), worker_spin_us, run.get("pause", 0.0))
                     target = _gradbus_worker
                     if hosts is not None:
                         target, args = hosts.in_worker(i, target, args)
@@ -350,6 +358,8 @@ def start(config: str, run: dict, counters, stop, lat):
                               spin_us=200 if spin else 0,
                               worker_spin_us=500 if config == "gradbus_inproc_spin_all" else 0)
     if config in FLOORS:
+        if run.get("pause"):
+            raise ValueError(f"{config} takes no pause")
         return _floor(run, counters, stop, lat, *FLOORS[config])
     raise ValueError(f"unknown configuration {config!r}")
 
@@ -404,7 +414,7 @@ def _median(runs: list, field: str):
     return statistics.median(vals) if vals else None
 
 
-def lines(key: tuple, configs: list, rounds: list, workers: int) -> list[dict]:
+def lines(key: tuple, configs: list, rounds: list, workers: int, pause_us: int = 0) -> list[dict]:
     """One line per configuration at ``key`` = (size, depth) from the rounds' results."""
     size, depth = key
     out = []
@@ -412,7 +422,7 @@ def lines(key: tuple, configs: list, rounds: list, workers: int) -> list[dict]:
         runs = [r.get(config) for r in rounds]
         ok = [r for r in runs if r and r.get("updates_per_s")]
         line = {"bench": "peers", "config": config, "size": size, "bytes": throughput.SIZES[size],
-                "depth": depth, "workers": workers,
+                "depth": depth, "workers": workers, **({"pause_us": pause_us} if pause_us else {}),
                 "updates_per_s": round(_median(ok, "updates_per_s"), 1) if ok else None}
         for f in ("ack_p50_ms", "ack_p99_ms", "fresh_p50_ms", "fresh_p99_ms"):
             line[f] = _sig(_median(ok, f))
@@ -447,6 +457,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default=",".join(DEFAULT_CONFIGS))
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1, help="interleaved rounds; lines give medians")
+    ap.add_argument("--pause-us", type=int, default=0,
+                    help="microseconds each worker sleeps after each update (RPC and gradbus)")
     ap.add_argument("--hops", action="store_true",
                     help="gradbus alone, one worker, depth 1: the median time between hops")
     a = ap.parse_args(argv)
@@ -455,6 +467,8 @@ def main(argv=None) -> int:
         depths = [int(d) for d in a.depth.split(",")]
     except ValueError:
         depths = []
+    if a.pause_us < 0 or (a.pause_us and set(configs) & set(FLOORS)):
+        ap.error("--pause-us must be at least 0, and is for RPC and gradbus configurations")
     if (a.repeat < 1 or a.workers < 1 or not depths or min(depths) < 1
             or not set(configs) <= set(CONFIGS) or not set(sizes) <= set(throughput.SIZES)):
         ap.error(f"--repeat and --workers must be at least 1, --depth a list of positive ints, "
@@ -475,7 +489,7 @@ def _run(a, configs: list, sizes: list, depths: list) -> int:
     for _ in range(a.repeat):
         for key in keys:
             run = {"bytes": throughput.SIZES[key[0]], "depth": key[1], "workers": a.workers,
-                   "warmup": a.warmup, "seconds": a.seconds}
+                   "warmup": a.warmup, "seconds": a.seconds, "pause": a.pause_us * 1e-6}
             round_ = {}
             for config in configs:
                 try:
@@ -491,7 +505,7 @@ def _run(a, configs: list, sizes: list, depths: list) -> int:
           + (f"; failed: {', '.join(c for c in configs if c not in ran)}"
              if len(ran) < len(configs) else ""), file=sys.stderr, flush=True)
     for key in keys:
-        for line in lines(key, configs, results[key], a.workers):
+        for line in lines(key, configs, results[key], a.workers, a.pause_us):
             print(json.dumps(line), flush=True)
     return 0 if ran else 1
 

@@ -24,6 +24,7 @@ import ctypes
 import os
 import signal
 import threading
+import time
 import warnings
 
 import torch
@@ -53,7 +54,7 @@ class ParameterServer:
         return fut
 
 
-def run_trainer(ps_rref, index: int, n: int, depth: int) -> None:
+def run_trainer(ps_rref, index: int, n: int, depth: int, pause: float = 0.0) -> None:
     """A trainer's loop: ``depth`` updates in flight; each time the oldest returns, its weights
     are the trainer's, until the stop flag."""
     torch.manual_seed(index)
@@ -75,6 +76,8 @@ def run_trainer(ps_rref, index: int, n: int, depth: int) -> None:
             lat.fresh(j)
             del weights
             _counters[index] += 1
+            if pause:
+                time.sleep(pause)       # the next gradient's computation, elsewhere
     for _, fut in waiting:
         fut.wait()
 
@@ -87,7 +90,8 @@ def _die_with_parent() -> None:
 
 
 def _process(rank: int, trainers: int, n: int, port: int, tcp_only: bool, clone: bool,
-             depth: int, counters, stop, lat, place: tuple | None = None) -> None:
+             depth: int, counters, stop, lat, place: tuple | None = None,
+             pause: float = 0.0) -> None:
     """One process of the world: rank 0 the server, which starts the trainers' loops.
     ``place``, where given, is (network namespace, the server's address, this process's
     interface): the process joins the namespace before it starts a thread (bench/hosts.py)."""
@@ -112,17 +116,18 @@ def _process(rank: int, trainers: int, n: int, port: int, tcp_only: bool, clone:
     rpc.init_rpc(name, rank=rank, world_size=trainers + 1, rpc_backend_options=opts)
     if rank == 0:
         ps_rref = rpc.RRef(ParameterServer(n, clone))
-        futs = [rpc.rpc_async(f"trainer{i}", run_trainer, args=(ps_rref, i, n, depth))
+        futs = [rpc.rpc_async(f"trainer{i}", run_trainer, args=(ps_rref, i, n, depth, pause))
                 for i in range(trainers)]
         torch.futures.wait_all(futs)
     rpc.shutdown()
 
 
 def processes(ctx, trainers: int, nbytes: int, port: int, tcp_only: bool, clone: bool,
-                depth: int, counters, stop, lat, places: list | None = None) -> list:
+                depth: int, counters, stop, lat, places: list | None = None,
+                pause: float = 0.0) -> list:
     """The world's processes (not started): the server, then the trainers; ``places[rank]``
     says where each runs (see :func:`_process`), all on this host's loopback without it."""
     return [ctx.Process(target=_process, daemon=True,
                         args=(rank, trainers, nbytes // 4, port, tcp_only, clone, depth,
-                              counters, stop, lat, places[rank] if places else None))
+                              counters, stop, lat, places[rank] if places else None, pause))
             for rank in range(trainers + 1)]

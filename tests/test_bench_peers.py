@@ -1,5 +1,6 @@
 """bench/peers.py's pieces: the shared-memory floor's seqlock board under a concurrent writer,
 the segments' removal, and the round-trip samples. No torch needed."""
+import json
 import os
 import subprocess
 import sys
@@ -157,3 +158,23 @@ def test_a_step_in_place_on_the_board_is_one_write_readers_see_whole():
         step = floor._sgd_loop()
         board.step_in_place(step, np.full(n, 2.0, np.float32), np.float32(-0.25))
         assert board.read(out) == 2 and set(out) == {-0.5}
+
+
+def test_a_pause_after_each_update_holds_the_workers_back_and_is_named():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers.py"), "--configs",
+                          "gradbus_inproc", "--sizes", "64K", "--depth", "1", "--workers", "1",
+                          "--seconds", "1", "--warmup", "0.5", "--pause-us", "5000"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (line,) = [json.loads(x) for x in out.stdout.splitlines()]
+    assert line["config"] == "gradbus_inproc" and line["pause_us"] == 5000
+    # one worker sleeping 5 ms after each update makes at most 200 a second, however fast
+    assert 0 < line["updates_per_s"] <= 200, line
+
+
+@pytest.mark.parametrize("args", [["--pause-us", "-1"],
+                                  ["--pause-us", "10", "--configs", "floor_shm"]])
+def test_a_bad_pause_is_refused(args):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers.py"), *args],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "--pause-us" in out.stderr

@@ -63,7 +63,8 @@ server and the links go idle between updates as they do in training (a tight loo
 process warm); the round trips are then those after an idle spell. Lines carry ``pause_us``.
 
 With ``--repeat N`` the rounds are interleaved (every configuration, size and depth once per
-round) and a line gives medians and each round's ``rates``.
+round) and a line gives medians and each round's ``rates``. ``--hops`` takes ``--pause-us`` too:
+the hops after an idle spell.
 
 ``--hops`` runs gradbus alone (one worker, depth 1, ``--sizes``' first size, shared memory on)
 with ``$GRADBUS_HOPS`` set (gradbus/codecs/hops.py): every process stamps each push at every
@@ -515,7 +516,8 @@ def _hops(a, size: str) -> int:
     from gradbus.codecs import hops
     directory = tempfile.mkdtemp(prefix="gradbus-hops-")
     run = {"bytes": throughput.SIZES[size], "depth": 1, "workers": 1, "warmup": a.warmup,
-           "seconds": a.seconds}
+           "seconds": a.seconds, "pause": a.pause_us * 1e-6}
+    named = {"pause_us": a.pause_us} if a.pause_us else {}
     config = "gradbus_inproc" if a.configs == "gradbus_inproc" else "gradbus_shm"
     try:
         with environment(GRADBUS_HOPS=directory):
@@ -537,12 +539,13 @@ def _hops(a, size: str) -> int:
             gaps[(x, y)].append((s[y] - s[x]) / 1e3)
         gaps[("push", "pull_returned")].append((s["pull_returned"] - s["push"]) / 1e3)
     for (x, y), us in gaps.items():
-        print(json.dumps({"bench": "peers_hops", "config": config, "size": size, "from": x, "to": y,
+        print(json.dumps({"bench": "peers_hops", "config": config, "size": size, **named,
+                          "from": x, "to": y,
                           "median_us": round(statistics.median(us), 1),
                           "p90_us": round(float(np.percentile(us, 90)), 1), "pushes": len(us),
                           "cpus": os.cpu_count()}), flush=True)
-    print(json.dumps({"bench": "peers_hops", "config": config, "size": size, "updates_per_s":
-                      round(res["updates_per_s"], 1), "fresh_p50_ms": res["fresh_p50_ms"],
+    print(json.dumps({"bench": "peers_hops", "config": config, "size": size, **named,
+                      "updates_per_s": round(res["updates_per_s"], 1), "fresh_p50_ms": res["fresh_p50_ms"],
                       "cpu_s_per_update": _sig(res["cpu_s_per_update"]),
                       "cpu_us_per_update_by_role": res["cpu_us_per_update_by_role"]}),
           flush=True)

@@ -28,7 +28,7 @@ import time
 
 import zmq
 
-from gradbus.codecs import hops, net, security, wire
+from gradbus.codecs import cores, hops, net, security, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
@@ -71,20 +71,23 @@ class BrokerServer:
                  ctx: zmq.Context | None = None, curve: security.Curve | None = None,
                  on_metrics=None, log: ulog.UpdateLog | None = None, fault_drop: float = 0.0,
                  fault_seed: int = 0, shm: bool | None = None, peer: str | None = None,
-                 peer_port: int = 0, pair: Pair | None = None, spin: float = 0.0, **core_kw):
+                 peer_port: int = 0, pair: Pair | None = None, spin: float | None = 0.0,
+                 **core_kw):
         """``log``: the update log to write (batches, as they go out); ``shm``: offer shared
         memory to clients and shards on this host (None: ``$GRADBUS_SHM``, else on);
         ``peer``: the pair address of this broker's peer (a broker pair, protocol section
         23), this broker's own bound on ``peer_port``; ``pair``: the pair state a deposed
         broker's loop left (it starts again as the standby); ``spin``: seconds the loop polls
-        without sleeping after a turn that had messages (0: it sleeps at once); ``core_kw``:
+        without sleeping after a turn that had messages (0: it sleeps at once; None: judged from
+        the host's cores, :class:`gradbus.codecs.cores.Spin`); ``core_kw``:
         the core's (partitions, replay, and the fields of :class:`~.settings.Settings`)."""
         self.clock = clock
         self.on_metrics = on_metrics   # called with a metrics snapshot every tick
         self.batch_window = batch_window
-        if spin < 0:
+        if spin is not None and spin < 0:
             raise ValueError("spin must be >= 0 seconds")
-        self.spin = spin
+        self.spin = cores.Spin(None if spin is None else round(spin * 1e6),
+                               cores.BROKER_SPIN_US)
         self.log = log
         if log is not None:
             core_kw["log_fsync"] = log.fsync
@@ -424,7 +427,7 @@ class BrokerServer:
                     if inproc.busy():
                         timeout = 0.0
                 events = net.poll_spinning(poller, min(timeout, 0.05), spin)
-                spin = self.spin if events else 0.0
+                spin = self.spin.seconds() if events else 0.0
                 if hops.ON:
                     hops.woke()
                 if pair_socks and any(s in events for s in pair_socks):

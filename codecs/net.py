@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import numpy as np
 import zmq
 
-from . import security, timing, wire
+from . import cores, security, timing, wire
 from .errors import Code, GradbusError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
@@ -27,22 +27,11 @@ COPY_THRESHOLD = 256 << 10
 
 def poll_spinning(poller: zmq.Poller, timeout: float, spin: float) -> dict:
     """``poller.poll`` for up to ``timeout`` seconds, as a dict; first, for up to ``spin``
-    seconds of that, polled again and again without blocking. A message that arrives within
-    the spin is taken by a loop that never slept: no wake-up (tens of microseconds on a
-    virtual machine) and caches still warm, for the CPU the spin burns."""
-    if spin > 0 and timeout > 0:
-        spin = min(spin, timeout)
-        clock = time.perf_counter
-        end = clock() + spin
-        while True:
-            got = poller.poll(0)
-            if got:
-                return dict(got)
-            if clock() >= end:
-                break
-            os.sched_yield()       # the core to any thread that can run on it now
-        timeout -= spin
-    return dict(poller.poll(timeout * 1000))
+    seconds of that, polled again and again without blocking (:func:`cores.spin_then_block`).
+    A message that arrives within the spin is taken by a loop that never slept: no wake-up
+    (tens of microseconds on a virtual machine) and caches still warm, for the CPU the spin
+    burns."""
+    return dict(cores.spin_then_block(poller.poll, timeout, spin))
 
 
 def detach(buf, src):

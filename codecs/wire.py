@@ -408,6 +408,16 @@ class TensorStream:
     def verified(self) -> bool:
         return self.hasher.intdigest() == self.want
 
+    def peek(self, lo: int, hi: int, scratch: np.ndarray) -> np.ndarray:
+        """Values ``[lo, hi)``, in any order and from any thread, *not* hashed: for readers
+        that split a frame between threads and check it whole with :meth:`matches`."""
+        return self.pieces.values(self.pieces.encoded(lo, hi), scratch)
+
+    def matches(self) -> bool:
+        """Whether the whole frame matches its checksum (one pass of its own, the interpreter
+        lock released for it)."""
+        return checksum(self.pieces.data) == self.want
+
 
 def stream_tensor(desc: TensorDesc, frame, max_tensor_bytes: int = MAX_TENSOR_BYTES):
     """A :class:`TensorStream` over a dense frame whose values decode one by one (raw, fp16,

@@ -62,6 +62,31 @@ class _Checked(click.ParamType):
         return value
 
 
+class _SpinUs(click.ParamType):
+    """Microseconds a loop polls after work: ``"auto"`` (from the host's cores, see
+    :mod:`gradbus.codecs.cores`) or a whole number 0..100000 (0: never)."""
+
+    name = "auto|us"
+
+    def convert(self, value, param, ctx):
+        if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+            return "auto"
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            n = -1
+        if isinstance(value, (bool, float)) or not 0 <= n <= 100_000:
+            self.fail(f"{value!r} is not 'auto' nor a whole number of microseconds in "
+                      "0..100000", param, ctx)
+        return n
+
+
+SPIN_US = _SpinUs()
+
+
+def spin_seconds(value) -> float | None:
+    """A :data:`SPIN_US` value as the servers take it: seconds, or None for ``"auto"``."""
+    return None if value == "auto" else value / 1e6
 BROKER_URL = _Checked("url", net.broker_urls)     # one, or a broker pair's two
 WEIGHTS_CODEC = _Checked("codec", wire.split_weights_codec)
 PORT = click.IntRange(0, 65535)
@@ -128,9 +153,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("broker", "batch_window", click.FloatRange(0, 1), 0.0,
             "Seconds to wait gathering pushes into a batch (0: batch what arrived together).",
             feeds=("broker --batch-window",)),
-    Setting("broker", "spin_us", click.IntRange(0, 100_000), 0,
+    Setting("broker", "spin_us", SPIN_US, "auto",
             "Microseconds the broker's loop polls without sleeping after a turn with messages "
-            "(0: it sleeps at once); shortens a round trip where a core is spare, burns it.",
+            "(0: it sleeps at once; auto: 200 where the host has cores to spare, else 0); "
+            "shortens a round trip where a core is spare, burns it.",
             feeds=("broker --spin-us",)),
     Setting("broker", "shard_credit", click.IntRange(1, 1024), SHARD_CREDIT,
             "Batches in flight to one shard.", feeds=("broker --shard-credit",)),

@@ -29,6 +29,7 @@ from gradbus.codecs.messages import BatchPart, InitEntry, PushEntry, TableInitEn
 from gradbus.codecs.partition import split_key
 
 from . import backend as backend_mod
+from .passes import Passes
 from .rows import RowBatch
 from .store import ParameterStore, PartitionState
 
@@ -70,6 +71,31 @@ def _ident(ent: PushEntry, desc) -> tuple | None:
     return None if ent.m is None else (ent.c, ent.m, desc.key)
 
 
+def _peeker(stream, at: int):
+    """``stream``'s values read from element ``at`` on, unhashed: ``read(lo, hi, buf)`` for a
+    piece of a block that starts there (see :meth:`Applier._split`)."""
+    return lambda lo, hi, buf: stream.peek(at + lo, at + hi, buf)
+
+
+def _sum_chunks(acc: np.ndarray, reads: list, first: int, scratch, step: int) -> None:
+    """``acc`` set (``first`` 0) or added to the values ``reads`` give (``(read(lo, hi, buf),
+    scale or None)`` each), a chunk of ``step`` values at a time, each chunk's reads in list
+    order while it is in cache; ``scratch``: two chunks' worth."""
+    m = min(step, acc.size)
+    s1, s2 = scratch[:m], scratch[m:2 * m]
+    for lo in range(0, acc.size, step):
+        hi = min(lo + step, acc.size)
+        o = acc[lo:hi]
+        for j, (read, w) in enumerate(reads, first):
+            v = read(lo, hi, s1)
+            if w is not None:
+                v = np.multiply(v, w, out=s2[:hi - lo])
+            if j:
+                np.add(o, v, out=o)
+            else:
+                np.copyto(o, v)
+
+
 def _weight(ent: PushEntry, dtype) -> np.ndarray | None:
     """A push's staleness scale ``w`` (0 < w < 1) as a 0-d array of ``dtype``, else None."""
     w = ent.w
@@ -82,8 +108,12 @@ class Applier:
     first batch, and the histogram of gradients summed per step."""
 
     def __init__(self, shard_id: str, store: ParameterStore, backend, counters: dict, *,
-                 nan_policy: str, max_tensor_bytes: int):
+                 nan_policy: str, max_tensor_bytes: int, passes: Passes | None = None):
+        """``passes``: the threads a big block's passes are split over (None: one thread,
+        nothing split); only the host backend splits (its steps write out of place)."""
         self.shard_id = shard_id
+        self.passes = passes if passes is not None else Passes(1)
+        self._splits = backend.xp is np and self.passes.threads > 1
         self.store = store
         self.backend = backend
         self.stats = counters          # the shard's counters (shared with the other parts)
@@ -205,8 +235,9 @@ class Applier:
         stepped = self._step_reading(key, fresh, idents, work)
         if stepped:
             return
-        if stepped is None and (len(fresh) > 1 or fresh[0][4].pieces.coder != "raw"):
-            acc = self._sum_pieces(key, fresh)
+        split = stepped is None and self._pieces(key) > 1
+        if stepped is None and (split or len(fresh) > 1 or fresh[0][4].pieces.coder != "raw"):
+            acc = (self._sum_pieces_split if split else self._sum_pieces)(key, fresh)
             if acc is not None:
                 for ident in idents:
                     work.pst.seen(ident)
@@ -237,13 +268,17 @@ class Applier:
             return None
         held = blk.held
         step = self.backend.chunk_len(held.dtype)
-        reads = [(item[4].read, _weight(item[1], held.dtype)) for item in fresh]
-        finite = stepper(blk.newest, reads, out,
-                         self._scratch_for(2 * min(step, held.size), held.dtype))
+        pieces = self._pieces(key)
+        if pieces > 1:
+            finite, whole = self._step_reading_split(stepper, blk.newest, out, fresh, pieces)
+        else:
+            reads = [(item[4].read, _weight(item[1], held.dtype)) for item in fresh]
+            finite = stepper(blk.newest, reads, out,
+                             self._scratch_for(2 * min(step, held.size), held.dtype))
+            whole = finite is not None and all(item[4].verified() for item in fresh)
         if finite is None:
             return None
-        if not all(item[4].verified() for item in fresh) or (
-                not finite and self.nan_policy == "refuse"):
+        if not whole or (not finite and self.nan_policy == "refuse"):
             return False
         self.h_pushes.observe(len(fresh))
         self.store.publish_step(blk, out, sum(item[2].count for item in fresh), work.pst.seq)
@@ -253,6 +288,58 @@ class Applier:
         work.stepped += len(fresh)
         self.stats["steps_in_one_pass"] = self.stats.get("steps_in_one_pass", 0) + 1
         return True
+
+    # -- a big block's passes split over the pass threads (see .passes) ----------------------
+    def _pieces(self, key: str) -> int:
+        """How many pieces ``key``'s passes are cut into (1: one thread, as without a pool)."""
+        return self.passes.pieces(self.store.blocks[key].held.nbytes) if self._splits else 1
+
+    def _split(self, n: int, dtype, pieces: int, piece, checks=()) -> list:
+        """``piece(sl, scratch)`` for each of ``pieces`` slices of ``range(n)`` (each with
+        scratch of its own, two chunks of ``dtype``), and each of ``checks`` (callables), all at
+        once on the pass threads; their results, the pieces' first."""
+        ranges = self.passes.ranges(n, pieces, self.backend.chunk_len(dtype))
+        two = 2 * min(self.backend.chunk_len(dtype), n)
+        tasks = [(lambda sl=sl, i=i: piece(sl, self._scratch_for(two, dtype, i)))
+                 for i, sl in enumerate(ranges)]
+        return self.passes.run([*tasks, *checks])
+
+    def _step_reading_split(self, stepper, w, out, fresh: list, pieces: int):
+        """:meth:`_step_reading`'s step in pieces at once, each frame hashed whole beside
+        them: ``(finite, every checksum matched)``; finite is None where the rule cannot."""
+        dt = w.dtype
+        ws = [_weight(item[1], dt) for item in fresh]
+
+        def piece(sl, scratch):
+            reads = [(_peeker(item[4], sl.start), wt) for item, wt in zip(fresh, ws)]
+            return stepper(w[sl], reads, out[sl], scratch)
+        got = self._split(w.size, dt, pieces, piece, [item[4].matches for item in fresh])
+        steps, sums = got[:len(got) - len(fresh)], got[len(got) - len(fresh):]
+        if any(f is None for f in steps):
+            return None, False
+        return all(steps), all(sums)
+
+    def _sum_pieces_split(self, key: str, fresh: list):
+        """:meth:`_sum_pieces` in pieces at once, each frame hashed whole beside them."""
+        acc = self._acc_for(key, self.store.blocks[key].held)
+        dt = acc.dtype
+        ws = [_weight(item[1], dt) for item in fresh]
+        check = self.nan_policy == "refuse"
+
+        def piece(sl, scratch):
+            o = acc[sl]
+            _sum_chunks(o, [(_peeker(item[4], sl.start), w) for item, w in zip(fresh, ws)],
+                        0, scratch, self.backend.chunk_len(dt))
+            return not check or values.all_finite(o)
+        got = self._split(acc.size, dt, self._pieces(key), piece,
+                          [item[4].matches for item in fresh])
+        return acc if all(got) else None
+
+    def _step_split(self, pieces: int, held):
+        """A block's ``split`` for :meth:`ParameterStore.step` (None: one piece)."""
+        if pieces <= 1:
+            return None
+        return lambda run: self._split(held.size, held.dtype, pieces, run)
 
     def _unseen(self, items: list, pst: PartitionState) -> tuple[list, set]:
         """The streamed gradients not applied before (nor earlier in this batch), and their
@@ -278,24 +365,14 @@ class Applier:
         n, dt = acc.size, acc.dtype
         step = self.backend.chunk_len(dt)
         scratch = self._scratch_for(2 * min(step, n), dt)
-        s1, s2 = scratch[:min(step, n)], scratch[min(step, n):]
         ws = [_weight(item[1], dt) for item in fresh]
         # leading half-precision frames: each decoded and added in one pass (numba's loop)
         done = 0
         while done < len(streams) and streams[done].add_into(acc, not done, ws[done]):
             done += 1
-        rest = list(zip(streams, ws))[done:]     # the others, a cache-sized piece at a time
-        for lo in range(0, n, step) if rest else ():
-            hi = min(lo + step, n)
-            o = acc[lo:hi]
-            for j, (stream, w) in enumerate(rest, done):
-                v = stream.read(lo, hi, s1)
-                if w is not None:
-                    v = np.multiply(v, w, out=s2[:hi - lo])
-                if j:
-                    np.add(o, v, out=o)
-                else:
-                    np.copyto(o, v)
+        rest = [(st.read, w) for st, w in zip(streams, ws)][done:]   # a chunk at a time
+        if rest:
+            _sum_chunks(acc, rest, done, scratch, step)
         if all(st.verified() for st in streams) and (
                 self.nan_policy != "refuse" or values.all_finite(acc)):
             return acc
@@ -311,13 +388,14 @@ class Applier:
             blk = self.store.blocks[key]
             k = sum(c for _, _, c, _ in grads)   # gradients summed, local steps included
             held = blk.held                      # its size and dtype (not its values)
-            self.store.step(blk, self._summed(key, held, grads), k,
+            pieces = self._pieces(key)
+            self.store.step(blk, self._summed(key, held, grads, pieces), k,
                             self._scratch_for(held.size, held.dtype), work.pst.seq,
-                            work.publish)
+                            work.publish, self._step_split(pieces, held))
             work.changed[key] = blk
         return applied
 
-    def _summed(self, key: str, value, grads: list):
+    def _summed(self, key: str, value, grads: list, pieces: int = 1):
         """What a key's step gets: its one dense gradient as it is; up to SUM_GROUP dense ones
         as a list where the backend sums inside its step (one pass for both); else their sum
         in one pass over the dense ones, then the sparse ones added."""
@@ -330,7 +408,10 @@ class Applier:
         if not sparse and be.sums_in_step and len(dense) <= backend_mod.SUM_GROUP:
             return dense
         g = self._acc_for(key, value)
-        if dense:
+        if dense and pieces > 1 and len(dense) > 1:
+            self._split(g.size, g.dtype, pieces,
+                        lambda sl, _: be.sum_into(g[sl], [d[sl] for d in dense]))
+        elif dense:
             be.sum_into(g, dense)
         else:
             g.fill(0)
@@ -375,10 +456,12 @@ class Applier:
         self.stats["duplicates_skipped"] = self.stats.get("duplicates_skipped", 0) + 1
 
     # -- buffers -----------------------------------------------------------------------------
-    def _scratch_for(self, n: int, dtype) -> np.ndarray:
-        buf = self._scratch.get(dtype)
+    def _scratch_for(self, n: int, dtype, slot: int = 0) -> np.ndarray:
+        """Scratch of ``n`` values of ``dtype``; ``slot``: one per piece of a split pass."""
+        at = (dtype, slot) if slot else dtype
+        buf = self._scratch.get(at)
         if buf is None or buf.size < n:
-            buf = self._scratch[dtype] = self.backend.xp.empty(max(n, 1), dtype)
+            buf = self._scratch[at] = self.backend.xp.empty(max(n, 1), dtype)
         return buf[:n]
 
     def _acc_for(self, key: str, like: np.ndarray) -> np.ndarray:

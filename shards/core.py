@@ -21,11 +21,12 @@ import time
 
 import numpy as np
 
-from gradbus.codecs import hops, jit, messages, stats, wire
+from gradbus.codecs import cores, hops, jit, messages, stats, wire
 from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import split_row_key
 
 from . import backend as backend_mod
+from . import passes as passes_mod
 from .apply import Applier
 from .publish import Publisher
 from .replication import Replication
@@ -40,7 +41,10 @@ NAN_POLICIES = ("refuse", "allow")
 class ShardCore:
     def __init__(self, shard_id: str, *, weights_codec: str = "raw",
                  max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, nan_policy: str = "refuse",
-                 backend=None):
+                 backend=None, threads: int | None = 1):
+        """``threads``: the threads a big block's passes are split over (:mod:`.passes`;
+        None or 0: from the host's cores, :func:`gradbus.codecs.cores.pass_threads`), a pool
+        shared by the shards of this process; :meth:`close` gives it back."""
         if nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy must be one of {NAN_POLICIES}")
         self.shard_id = shard_id
@@ -57,12 +61,21 @@ class ShardCore:
         self.stats = {"batches": 0, "pushes_applied": 0, "pushes_refused": 0, "snapshots": 0,
                       "errors": 0, "syncs": 0, "states_sent": 0, "dropped": 0}
         self.h_apply = stats.Histogram()                     # seconds per batch message
+        n = cores.pass_threads(threads) if self.backend.xp is np else 1
+        self.passes = passes_mod.shared(n) if n > 1 else passes_mod.Passes(1)
         self.applier = Applier(shard_id, self.store, self.backend, self.stats,
-                               nan_policy=nan_policy, max_tensor_bytes=max_tensor_bytes)
+                               nan_policy=nan_policy, max_tensor_bytes=max_tensor_bytes,
+                               passes=self.passes)
         self.publisher = Publisher(self.store, self.backend, self.stats, weights_codec)
         self.replication = Replication(self.store, self.backend, self.stats,
                                        max_tensor_bytes=max_tensor_bytes,
                                        forget=self.applier.forget)
+
+    def close(self) -> None:
+        """Give back the pass threads (the last shard of the process ends them)."""
+        if self.passes.threads > 1 and not getattr(self, "_closed", False):
+            self._closed = True
+            passes_mod.release(self.passes)
 
     @property
     def installing(self) -> dict[int, list]:

@@ -4,7 +4,10 @@ Each rule is a class with ``state(n, dtype)`` (the per-block state arrays) and
 ``step(w, g, k, state, scratch, out=None)``: ``g`` is the *sum* of a batch of ``k`` gradients for
 the flat block ``w``, and ``scratch`` a caller-owned buffer of ``w``'s size, so a step allocates
 nothing. With ``out`` (where the backend ``steps_out``) the stepped values go there and ``w`` is
-left as it is; the optimizer state is updated in place either way.
+left as it is; the optimizer state is updated in place either way. ``ranged(w, g, k, state,
+out=None)`` is the same step as ``run(sl, scratch)``, to be called once for each piece ``sl`` of
+the block (its state advanced once, at ``ranged``): the pieces of a big block step at once on a
+shard's pass threads (:mod:`.passes`), the same bits as one step.
 
 A batch of ``k`` gradients is applied as ``k`` steps of their mean, in one pass: the optimizer
 state advances in closed form by ``k`` steps (Adam's ``t += k``, ``m = b1^k m + (1-b1^k) mean``,
@@ -32,6 +35,11 @@ def _to(out) -> dict:
     return {} if out is None else {"out": out}
 
 
+def _cut(a, sl):
+    """``a[sl]``; ``a`` itself where ``sl`` or ``a`` is None (the whole block, no view)."""
+    return a if sl is None or a is None else a[sl]
+
+
 class SGDRule:
     def __init__(self, spec: specs.SGD, backend=CPU):
         self.lr, self.momentum, self.be = spec.lr, spec.momentum, backend
@@ -48,10 +56,17 @@ class SGDRule:
         return None if stepper is None else stepper(w, reads, self.lr, out, scratch)
 
     def step(self, w, g, k: int, st: dict, scratch, out=None) -> None:
+        self.ranged(w, g, k, st, out)(None, scratch)
+
+    def ranged(self, w, g, k: int, st: dict, out=None):
+        """The step as ``run(sl, scratch)``: elements ``sl`` of it (None: all), so that pieces
+        of a block may step at once (:mod:`.passes`); each element as :meth:`step` does."""
         if self.momentum:
-            self.be.momentum_step(w, g, st["v"], k, self.lr, self.momentum, scratch, **_to(out))
-        else:
-            self.be.sgd_step(w, g, self.lr, scratch, **_to(out))
+            v, lr, mu = st["v"], self.lr, self.momentum
+            return lambda sl, scratch: self.be.momentum_step(
+                _cut(w, sl), _cut(g, sl), _cut(v, sl), k, lr, mu, scratch, **_to(_cut(out, sl)))
+        return lambda sl, scratch: self.be.sgd_step(_cut(w, sl), _cut(g, sl), self.lr, scratch,
+                                                    **_to(_cut(out, sl)))
 
 
 class AdamRule:
@@ -62,9 +77,15 @@ class AdamRule:
         return {"m": self.be.xp.zeros(n, dtype), "v": self.be.xp.zeros(n, dtype), "t": 0}
 
     def step(self, w, g, k: int, st: dict, scratch, out=None) -> None:
+        self.ranged(w, g, k, st, out)(None, scratch)
+
+    def ranged(self, w, g, k: int, st: dict, out=None):
+        """As :meth:`SGDRule.ranged`; the step count advances here, once."""
         st["t"] += k
-        self.be.adam_step(w, g, st["m"], st["v"], k, st["t"], self.lr, self.b1, self.b2,
-                          self.eps, scratch, **_to(out))
+        m, v, t = st["m"], st["v"], st["t"]
+        return lambda sl, scratch: self.be.adam_step(
+            _cut(w, sl), _cut(g, sl), _cut(m, sl), _cut(v, sl), k, t, self.lr, self.b1,
+            self.b2, self.eps, scratch, **_to(_cut(out, sl)))
 
 
 class AdagradRule:
@@ -75,7 +96,14 @@ class AdagradRule:
         return {"h": self.be.xp.zeros(n, dtype)}
 
     def step(self, w, g, k: int, st: dict, scratch, out=None) -> None:
-        self.be.adagrad_step(w, g, st["h"], k, self.lr, self.eps, scratch, **_to(out))
+        self.ranged(w, g, k, st, out)(None, scratch)
+
+    def ranged(self, w, g, k: int, st: dict, out=None):
+        """As :meth:`SGDRule.ranged`."""
+        h = st["h"]
+        return lambda sl, scratch: self.be.adagrad_step(
+            _cut(w, sl), _cut(g, sl), _cut(h, sl), k, self.lr, self.eps, scratch,
+            **_to(_cut(out, sl)))
 
 
 def make_rule(spec: specs.Optimizer, backend=CPU):

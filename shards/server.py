@@ -23,7 +23,7 @@ import uuid
 
 import zmq
 
-from gradbus.codecs import hops, link, messages, net, security, timing, wire
+from gradbus.codecs import cores, hops, link, messages, net, security, timing, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
@@ -49,14 +49,17 @@ class ShardServer:
                  data_dir: str | None = None, checkpoint_interval: float = 0.0,
                  checkpoint_keep: int = 3, restore: str | None = None,
                  on_metrics=None, metrics_url: str | None = None, shm: bool | None = None,
-                 shm_reply_bytes: int | None = None, connect=None, **core_kw):
+                 shm_reply_bytes: int | None = None, connect=None, spin: float | None = 0.0,
+                 **core_kw):
         """``shm``: read pushes from and publish weights into shared memory when the broker is
         on this host (None: ``$GRADBUS_SHM``, else on); ``shm_reply_bytes``: the cap of its
         reply area (None: ``$GRADBUS_SHM_REPLY_MB``, else 256 MiB; 0: replies as frames);
         ``connect``: a shard inside the broker's process (:meth:`start`, :meth:`pump`,
         :meth:`turn`, driven by the broker's loop): called for each connection, it returns
         the broker's end of a fresh :class:`~gradbus.codecs.pipe.Pipe` made known to the
-        broker, and the WELCOME a HELLO would have brought."""
+        broker, and the WELCOME a HELLO would have brought; ``spin``: seconds its loop polls
+        without sleeping after a turn that had messages (0: it sleeps at once; None: judged
+        from the host's cores, :class:`gradbus.codecs.cores.Spin`)."""
         # one broker, or a broker pair's two (protocol section 23): the shard talks to one
         # at a time, and goes to the other when that one is gone or says it is the standby
         self.broker_urls = net.broker_urls(broker_url)
@@ -64,6 +67,7 @@ class ShardServer:
         self.broker_url = self.broker_urls[0]
         self._gone = None        # a pair: the backend connection's monitor (its closing)
         self.shard_id = shard_id or f"shard-{uuid.uuid4().hex[:8]}"
+        core_kw.setdefault("threads", None)      # from the host's cores
         self.core = ShardCore(self.shard_id, **core_kw)
         self.clock = clock
         self._own_ctx = ctx is None
@@ -73,6 +77,9 @@ class ShardServer:
         self.hb_interval = heartbeat_interval
         self.liveness = liveness
         self.apply_delay = apply_delay   # fault injection: a slow shard (seconds per message)
+        if spin is not None and spin < 0:
+            raise ValueError("spin must be >= 0 seconds")
+        self.spin = cores.Spin(None if spin is None else round(spin * 1e6), cores.SHARD_SPIN_US)
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None
@@ -310,18 +317,30 @@ class ShardServer:
                 self.registered.clear()
 
     def run(self) -> None:
+        wait = min(self.hb_interval, 0.05)
+        spin = 0.0       # after a turn with messages: the next ones often follow at once
         try:
             self.start()
+            log.info("%s: backend %s, %d pass thread(s), loop %s", self.shard_id,
+                     self.core.backend.name, self.core.applier.passes.threads,
+                     self.spin.describe())
             while not self.stopping.is_set():
                 if self._connection_lost():
                     continue
-                if self.sock.poll(int(min(self.hb_interval, 0.05) * 1000), zmq.POLLIN):
+                if cores.spin_then_block(self._poll, wait, spin):
                     if hops.ON:
                         hops.woke()
                     self._drain()
+                    spin = self.spin.seconds()
+                else:
+                    spin = 0.0
                 self.turn()
         finally:
             self.close()
+
+    def _poll(self, ms: float) -> int:
+        """The broker's connection polled for a message for up to ``ms`` milliseconds."""
+        return self.sock.poll(int(ms), zmq.POLLIN)
 
     def start(self) -> None:
         """Connect and register (the first of the loop's work)."""
@@ -456,6 +475,7 @@ class ShardServer:
                 pass
         self._close_sock()
         self.core.publisher.board = None   # values stepped onto the board settle first
+        self.core.close()
         self.shm.close()
         if self._own_ctx:
             self.ctx.term()

@@ -139,19 +139,27 @@ class ParameterStore:
         for blk in self.blocks.values():
             blk.settle()
 
-    def step(self, blk: Block, g, k: int, scratch, seq: int, onto_board: bool) -> None:
+    def step(self, blk: Block, g, k: int, scratch, seq: int, onto_board: bool,
+             split=None) -> None:
         """One optimizer step of ``blk`` on ``g`` (the sum of ``k`` gradients). With
         ``onto_board`` (the block's partition is this shard's to publish) and a board with
         room, the step reads the newest values and writes the stepped ones straight into the
         board's next version of the block, published there at ``seq``: no copy onto the board
         after the step, and the block's ``held`` values stay as they were until someone asks
-        for ``value``. Otherwise it steps ``value`` in place."""
+        for ``value``. Otherwise it steps ``value`` in place. ``split``: where the block is
+        stepped in pieces at once, called with the rule's ``ranged`` step (see
+        :mod:`.optim`)."""
         out = self.board_target(blk, onto_board)
+        w = blk.value if out is None else blk.newest
+        if split is not None:
+            split(blk.rule.ranged(w, g, k, blk.state, out))
+        elif out is None:
+            blk.rule.step(w, g, k, blk.state, scratch)
+        else:
+            blk.rule.step(w, g, k, blk.state, scratch, out)
         if out is None:
-            blk.rule.step(blk.value, g, k, blk.state, scratch)
             blk.version += k
             return
-        blk.rule.step(blk.newest, g, k, blk.state, scratch, out)
         self.publish_step(blk, out, k, seq)
 
     def board_target(self, blk: Block, onto_board: bool) -> np.ndarray | None:

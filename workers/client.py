@@ -25,7 +25,7 @@ from concurrent.futures import Future
 import numpy as np
 import zmq
 
-from gradbus.codecs import net, security, specs, wire
+from gradbus.codecs import cores, net, security, specs, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import (
@@ -80,7 +80,9 @@ class Client(PushMethods, TableMethods):
     ``spin_us``: where the client reaches its broker over a local link (same host), a thread
     waiting in a push's ``result()`` reads the answer off the link itself; with ``spin_us`` it
     polls the link without sleeping for up to that many microseconds first. A shorter round trip
-    for a core spent while waiting (0, the default: it sleeps at once).
+    for a core spent while waiting (0: it sleeps at once). None, the default, judges from the
+    host: 500 us where it has cores to spare (at least 4 usable and, by its load average, a
+    quarter of them idle), else 0 (:class:`gradbus.codecs.cores.Spin`).
     """
 
     def __init__(self, url: str | None = None, *, client_id: bytes | str | None = None,
@@ -91,7 +93,7 @@ class Client(PushMethods, TableMethods):
                  window_bytes: int = DEFAULT_WINDOW_BYTES,
                  resend_after: float | None = RESEND_AFTER,
                  curve: security.Curve | bool | None = None, shm: bool | None = None,
-                 spin_us: int = 0):
+                 spin_us: int | None = None):
         # one broker, or a broker pair's two (protocol section 23)
         self.urls = net.broker_urls(url or net.default_broker())
         self._at = 0
@@ -99,8 +101,12 @@ class Client(PushMethods, TableMethods):
         if isinstance(client_id, str):
             client_id = client_id.encode()
         self.client_id = client_id or uuid.uuid4().bytes
-        if type(spin_us) is not int or not 0 <= spin_us <= MAX_SPIN_US:
-            raise ValueError(f"spin_us must be an int in 0..{MAX_SPIN_US}, not {spin_us!r}")
+        if spin_us is not None and (type(spin_us) is not int
+                                    or not 0 <= spin_us <= MAX_SPIN_US):
+            raise ValueError(f"spin_us must be None or an int in 0..{MAX_SPIN_US}, "
+                             f"not {spin_us!r}")
+        # None: judged from the host (a caller spins where the host has cores to spare)
+        self.spin = cores.Spin(spin_us, cores.CALLER_SPIN_US)
         if resend_after is not None and resend_after <= 0:
             raise ValueError("resend_after must be positive (or None: never resend)")
         self.resend_after = resend_after
@@ -148,7 +154,7 @@ class Client(PushMethods, TableMethods):
                 resend=ResendTimer(resend_after, max(RESEND_MAX, resend_after))
                 if resend_after else None, shm=self.shm, brokers=len(self.urls))
             self.agent = Agent(self.ctx, self.client_id, self.state, self._lock,
-                               spin=spin_us * 1e-6)
+                               spin=self.spin)
             link_name = (welcome.get("shm") or {}).get("link") if self.shm is not None else None
             self.agent.open(self.url, net.url(host, welcome["events"]), self.curve,
                             curve_configure, link_name, urls=self.urls, at=at)

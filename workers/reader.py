@@ -88,8 +88,10 @@ class LinkReader:
     ``agent``: needs ``link``, ``state`` and ``read_for_caller(link)`` (the caller's turn: the
     link read, what goes back on it sent; False when the link closed) and ``wake()``."""
 
-    def __init__(self, agent, spin: float = 0.0):
-        if spin < 0:
+    def __init__(self, agent, spin=0.0):
+        """``spin``: seconds a caller polls the link before it sleeps, or a
+        :class:`gradbus.codecs.cores.Spin` that says how long each time."""
+        if not hasattr(spin, "seconds") and spin < 0:
             raise ValueError("spin must be >= 0")
         self.agent = agent
         self.spin = spin
@@ -201,7 +203,8 @@ class LinkReader:
         me = threading.get_ident()
         if lnk is None or self.owner == me:
             return    # no link, or called from the turn itself (a done-callback)
-        spin_end = time.monotonic() + self.spin if self.spin else 0.0
+        spin = self.spin.seconds() if hasattr(self.spin, "seconds") else self.spin
+        spin_end = time.monotonic() + spin if spin else 0.0
         with self._count:
             self.readers += 1
         poller = None

@@ -2,6 +2,7 @@
 `gradbus up` (a local cluster) and `gradbus restore` (a local cluster from checkpoints)."""
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import threading
@@ -37,10 +38,10 @@ from gradbus.codecs.partition import DEFAULT_PARTITIONS
               type=click.IntRange(1, 65535), help="Partition count, fixed for the cluster's life.")
 @click.option("--batch-window", default=0.0, show_default=True, type=click.FloatRange(0, 1),
               help="Seconds to wait gathering pushes into a batch (0: batch what arrived together).")
-@click.option("--spin-us", default=0, show_default=True, type=click.IntRange(0, 100_000),
+@click.option("--spin-us", default="auto", show_default=True, type=config.SPIN_US,
               help="Microseconds the loop polls without sleeping after a turn with messages "
-                   "(0: it sleeps at once); shortens a round trip where a core is spare, "
-                   "burns it.")
+                   "(0: it sleeps at once; auto: 200 where the host has cores to spare, "
+                   "else 0); shortens a round trip where a core is spare, burns it.")
 @click.option("--shard-credit", default=SHARD_CREDIT, show_default=True, type=click.IntRange(1, 1024),
               help="Batches in flight to one shard.")
 @click.option("--max-pending-mb", default=512, show_default=True, type=click.IntRange(1),
@@ -121,7 +122,8 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, spin
 
     def start(pair=None):
         return BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
-                            partitions=partitions, batch_window=batch_window, spin=spin_us / 1e6,
+                            partitions=partitions, batch_window=batch_window,
+                            spin=config.spin_seconds(spin_us),
                             shard_credit=shard_credit, max_pending_bytes=max_pending_mb << 20,
                             replicas=replicas, heartbeat_interval=heartbeat_interval,
                             liveness=liveness, fault_drop=fault_drop, fault_seed=fault_seed,
@@ -149,6 +151,7 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, spin
     stop = threading.Event()
     opts.on_signals(lambda: (stop.set(), srv.stop()))
     click.echo(f"listening: {srv.url}", nl=True)
+    logging.getLogger("gradbus.broker").info("loop: %s", srv.spin.describe())
     if srv.pair_link is not None:
         click.echo(f"pair: {srv.pair_link.url}")
     if exporter:
@@ -210,13 +213,21 @@ def _inproc_shard(srv, shard_id: str, data_dir: str | None, **kw):
               help="Tensor bytes through shared memory with peers on this host.")
 @click.option("--restore", "restore_path", type=click.Path(exists=True, file_okay=False),
               default=None, help="Load this checkpoint directory before registering.")
+@click.option("--spin-us", default="auto", show_default=True, type=config.SPIN_US,
+              help="Microseconds the loop polls without sleeping after a turn with messages "
+                   "(0: it sleeps at once; auto: 200 where the host has cores to spare, "
+                   "else 0).")
+@click.option("--threads", default=0, show_default=True, type=click.IntRange(0, 256),
+              help="Threads that pass over a batch's bytes (0: the usable cores over "
+                   "$GRADBUS_HOST_SHARDS, the shards of this host, at most 8; or "
+                   "$GRADBUS_SHARD_THREADS).")
 @curve_options("shard")
 @metrics_options
 @click.option("-v", "--verbose", count=True)
 @click.pass_context
 def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_delay,
           heartbeat_interval, liveness, data_dir, checkpoint_interval, checkpoint_keep,
-          restore_path, shm, verbose, curve, metrics_port, metrics_host):
+          restore_path, shm, spin_us, threads, verbose, curve, metrics_port, metrics_host):
     """Run a shard in the foreground; it needs only the broker's client URL.
     (`gradbus shard drain ID` moves everything off a running shard instead.)"""
     if ctx.invoked_subcommand is not None:
@@ -229,7 +240,8 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
                       liveness=liveness, data_dir=data_dir,
                       checkpoint_interval=checkpoint_interval,
                       checkpoint_keep=checkpoint_keep, restore=restore_path, curve=curve,
-                      shm=shm)
+                      shm=shm, spin=config.spin_seconds(spin_us),
+                      threads=threads)
     exporter = opts.exporter(metrics_port, metrics_host, f"{srv.shard_id}-metrics")
     if exporter:
         srv.on_metrics, srv.metrics_url = exporter.update, exporter.url

@@ -93,10 +93,10 @@ microseconds per update of each kind of process (``cpu_us_per_update_by_role``: 
 worker, launcher), stamping included. ``--hops --configs gradbus_inproc`` stamps the cluster
 whose shard runs in the broker's process (no shard wake: the broker's loop hands it the batch).
 
-The 2-server configurations are for a host with cores to spare: on 16 cores, run
-``--configs rpc,rpc2,gradbus_inproc,gradbus_inproc2`` (the device script's ``cores`` section
-takes them in ``CORES_CONFIGS``); on 2 cores the second server competes for the same cores as
-the workers. None of them runs by default.
+The 2-server configurations are for a host with cores to spare: a 16-core run should use
+``--configs rpc,rpc2,gradbus_inproc,gradbus_inproc2`` (each side with one server, then two);
+on 2 cores the second server competes for the same cores as the workers. None of them runs by
+default.
 
 Usage: python bench/peers.py [--sizes 64K,4M,16M] [--depth 1,4,32] [--seconds 4] [--warmup 1.5]
                              [--configs rpc,rpc_tcp,gradbus_shm,gradbus_inproc,gradbus_worker_noshm,

@@ -2,10 +2,9 @@
 
 Workers push fp32 gradients of one tensor to one server (the 2-server configurations: the same
 bytes in two halves, one per server) and take back the fresh weights, with the same number of
-updates in flight per worker in every configuration (``--depth``: the
-staleness a worker accepts; a worker D updates ahead trains on weights D updates old). Each
-worker keeps D updates in flight, waits for the oldest, takes the weights that include it, and
-sends the next:
+updates in flight per worker in every configuration (``--depth``: the staleness a worker
+accepts; a worker D updates ahead trains on weights D updates old). Each worker keeps D updates
+in flight, waits for the oldest, takes the weights that include it, and sends the next:
 
     rpc                   PyTorch RPC parameter server (bench/peers_rpc.py), TensorPipe defaults,
                           D ``rpc_async`` calls in flight; the Future resolves with the weights

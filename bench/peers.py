@@ -1,10 +1,10 @@
 """gradbus beside PyTorch RPC and a bare shared-memory pipeline, at the same staleness, in one run.
 
-Workers push fp32 gradients of one tensor to one server and take back the fresh weights, with
-the same number of updates in flight per worker in every configuration (``--depth``: the
-staleness a worker accepts; a worker D updates ahead trains on weights D updates old). Each
-worker keeps D updates in flight, waits for the oldest, takes the weights that include it, and
-sends the next:
+Workers push fp32 gradients of one tensor to one server (the 2-server configurations: the same
+bytes in two halves, one per server) and take back the fresh weights, with the same number of
+updates in flight per worker in every configuration (``--depth``: the staleness a worker
+accepts; a worker D updates ahead trains on weights D updates old). Each worker keeps D updates
+in flight, waits for the oldest, takes the weights that include it, and sends the next:
 
     rpc                   PyTorch RPC parameter server (bench/peers_rpc.py), TensorPipe defaults,
                           D ``rpc_async`` calls in flight; the Future resolves with the weights
@@ -12,12 +12,25 @@ sends the next:
     rpc_clone             the same, the Future resolving with a copy of the weights taken under
                           the lock (a new tensor per update: a handicap, shown for reference)
     rpc_tcp               ``rpc`` with TensorPipe restricted to TCP (uv transport, basic channel)
+    rpc2                  ``rpc`` with the model split in two halves over 2 parameter-server
+                          processes, each owning one half (as PyTorch's parameter-server tutorial
+                          spreads a model over servers); an update is one call per server, each
+                          resolving with its half's weights tensor, and a worker keeps D updates
+                          (D calls per server) in flight: the same bytes per update as ``rpc``
     gradbus_shm           ``gradbus up --shards 1`` (a broker and a shard) and SDK workers, every
                           process with GRADBUS_SHM=1; D pushes (acks=1) in flight, then the
                           oldest's ACK, then ``pull(["w"], min_version=ack["ver"])``: weights
                           that include the push
     gradbus_inproc        ``gradbus up --shards 1 --inproc``: the shard runs inside the broker's
                           process (one server process, as RPC's), the workers as ``gradbus_shm``
+    gradbus_shm2          ``gradbus up --shards 2``, the workers as ``gradbus_shm`` with the model
+                          split in two tensors (w0, w1, ...: the first names whose blocks fall in
+                          partitions of their own), pushed in one call and pulled together; the
+                          broker places a new partition on the shard holding the fewest bytes, so
+                          the halves land on different shards, which the run checks in the
+                          broker's partition table (``gradbus partitions``) and reports as
+                          ``shard_bytes``: a run where one shard holds it all fails
+    gradbus_inproc2       ``gradbus_shm2`` with ``--inproc``: both shards in the broker's process
     gradbus_inproc_spin   ``gradbus_inproc`` with GRADBUS_BROKER_SPIN_US=200: the broker's loop
                           polls without sleeping for 200 us after a turn with messages (an
                           operator's setting, off by default; not run by default)
@@ -53,7 +66,10 @@ and the CPU time (utime + stime in /proc/PID/stat) of every process under it at 
     fresh_p50_ms, fresh_p99_ms
                       push to the worker holding weights that include it
     cpu_s_per_update  CPU seconds of all the configuration's processes in the window, per update
-    vs_rpc, vs_rpc_tcp, vs_floor_shm, vs_floor_link
+    cores_busy        cpu_s_per_update x updates_per_s: the cores the configuration keeps busy
+    servers           2 on the lines of the 2-server configurations (rpc2, gradbus_*2)
+    shard_bytes       gradbus_*2: shard -> the model's bytes it holds, from the partition table
+    vs_rpc, vs_rpc_tcp, vs_rpc2, vs_floor_shm, vs_floor_link
                       updates_per_s over that configuration's, same size, depth and round (the
                       median of the rounds' ratios with ``--repeat``); null when it did not run
 
@@ -76,9 +92,14 @@ microseconds per update of each kind of process (``cpu_us_per_update_by_role``: 
 worker, launcher), stamping included. ``--hops --configs gradbus_inproc`` stamps the cluster
 whose shard runs in the broker's process (no shard wake: the broker's loop hands it the batch).
 
+The 2-server configurations are for a host with cores to spare: a 16-core run should use
+``--configs rpc,rpc2,gradbus_inproc,gradbus_inproc2`` (each side with one server, then two);
+on 2 cores the second server competes for the same cores as the workers. None of them runs by
+default.
+
 Usage: python bench/peers.py [--sizes 64K,4M,16M] [--depth 1,4,32] [--seconds 4] [--warmup 1.5]
                              [--configs rpc,rpc_tcp,gradbus_shm,gradbus_inproc,gradbus_worker_noshm,
-                                        floor_shm,floor_link]
+                                        floor_shm,floor_link; also rpc2,gradbus_inproc2,...]
                              [--workers 2] [--repeat N] [--pause-us N] [--hops]
 """
 from __future__ import annotations
@@ -106,12 +127,15 @@ import floor  # noqa: E402  (the shm pipeline, the window, the samples, the proc
 import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
-CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_inproc_spin",
-           "gradbus_inproc_spin_all", "gradbus_worker_noshm", "gradbus_shm_copy", "floor_shm",
-           "floor_link", "floor_onepass", "floor_inplace")
+CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "rpc2", "gradbus_shm", "gradbus_inproc",
+           "gradbus_shm2", "gradbus_inproc2", "gradbus_inproc_spin", "gradbus_inproc_spin_all",
+           "gradbus_worker_noshm", "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass",
+           "floor_inplace")
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
                    "floor_shm", "floor_link")
-REFERENCES = ("rpc", "rpc_tcp", "floor_shm", "floor_link")
+REFERENCES = ("rpc", "rpc_tcp", "rpc2", "floor_shm", "floor_link")
+# the configurations with the model split over two server processes (RPC) or shards (gradbus)
+SERVERS = {"rpc2": 2, "gradbus_shm2": 2, "gradbus_inproc2": 2}
 # the floors: configuration -> (transport, the shard's step) of bench/floor.py's shm pipeline
 FLOORS = {"floor_shm": ("zmq", "numpy"), "floor_link": ("link", "numpy"),
           "floor_onepass": ("link", "onepass"), "floor_inplace": ("link", "inplace")}
@@ -190,22 +214,23 @@ def environment(**values):
 # ----------------------------------------------------------------------------- configurations
 @contextlib.contextmanager
 def rpc_config(run: dict, counters, stop, lat, tcp_only: bool, clone: bool, hosts=None,
-               pids: dict | None = None):
+               pids: dict | None = None, servers: int = 1):
     """The RPC peer's world running; yields ``alive()``. With ``hosts`` (bench/hosts_net.py's
     Hosts) the server runs in its server namespace and trainer i in its worker namespace i;
-    ``pids``, where given, gets the server's and the workers' process ids."""
+    ``pids``, where given, gets the server's and the workers' process ids. ``servers``: the
+    parameter servers the model is split over (bench/peers_rpc.py)."""
     import peers_rpc  # torch is imported only here
     ctx = mp.get_context("spawn")
     places = hosts.rpc_places(run["workers"]) if hosts is not None else None
     port = hosts.next_port() if hosts is not None else throughput.free_port()
     procs = peers_rpc.processes(ctx, run["workers"], run["bytes"], port, tcp_only, clone,
                                 run["depth"], counters, stop, lat, places,
-                                run.get("pause", 0.0))
+                                run.get("pause", 0.0), servers)
     try:
         for p in procs:
             p.start()
         if pids is not None:
-            pids.update(server=procs[0].pid, workers=[p.pid for p in procs[1:]])
+            pids.update(server=procs[0].pid, workers=[p.pid for p in procs[servers:]])
         yield lambda: all(p.exitcode is None for p in procs)
     finally:
         end_workers(procs, stop, 30)
@@ -222,26 +247,32 @@ def end_workers(procs: list, stop, grace: float) -> None:
 
 
 def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, stop, lat,
-                    codec: str = "raw", spin_us: int = 0, pause: float = 0.0) -> None:
+                    codec: str = "raw", spin_us: int = 0, pause: float = 0.0,
+                    names: tuple = ("w",)) -> None:
+    """A worker's loop; the model is one tensor per name of ``names``, the ``nbytes`` split
+    between them (:func:`throughput.parts`), all pushed in one call."""
     import gradbus
     from gradbus.codecs import hops
-    n = nbytes // 4
+    sizes = dict(zip(names, throughput.parts(nbytes // 4, len(names))))
+    names = list(names)
     with gradbus.connect(url, timeout=60, spin_us=spin_us) as c:
-        c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-6))
-        c.pull(["w"])                       # follow the tensor
-        g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
+        c.init({k: np.zeros(m, np.float32) for k, m in sizes.items()},
+               optimizer=gradbus.SGD(lr=1e-6))
+        c.pull(names)                       # follow the tensors
+        rng = np.random.default_rng(index)
+        g = {k: rng.standard_normal(m).astype(np.float32) for k, m in sizes.items()}
         waiting: collections.deque = collections.deque()
         k = 0
         while not stop.value:
             lat.sent(k)
-            fut = c.push({"w": g}, acks=1, codec=codec)
+            fut = c.push(g, acks=1, codec=codec)
             fut.add_done_callback(lambda _f, k=k: lat.acked(k))
             waiting.append((k, fut))
             k += 1
             if len(waiting) >= depth:
                 j, fut = waiting.popleft()
                 ack = fut.result()
-                c.pull(["w"], min_version=ack["ver"])     # weights that include the push
+                c.pull(names, min_version=ack["ver"])     # weights that include the push
                 lat.fresh(j)
                 if hops.ON:
                     hops.stamp("pull_returned", ack["msg"])
@@ -280,12 +311,59 @@ def _end_group(proc: subprocess.Popen, grace: float = 30.0) -> None:
     proc.wait()
 
 
+def _block_keys(name: str, elems: int) -> tuple:
+    """The block keys of a float32 tensor of ``elems`` elements (the SDK's default blocks)."""
+    from gradbus.codecs.partition import TensorLayout, block_elems_for
+    return TensorLayout(name, "float32", (elems,), block_elems_for(4)).keys
+
+
+def piece_names(pieces: int, nbytes: int, partitions: int) -> tuple:
+    """Names of the ``pieces`` float32 tensors an ``nbytes`` model is split into
+    (:func:`throughput.parts`): the first of w0, w1, ... whose blocks fall in partitions no
+    block of an earlier one falls in. The broker places a new partition on the shard holding
+    the fewest bytes (then the fewest partitions), so such pieces spread over the shards;
+    :func:`shard_bytes` checks where they went."""
+    from gradbus.codecs.partition import partition_of
+    sizes = throughput.parts(nbytes // 4, pieces)
+    names: list = []
+    taken: set = set()
+    for i in range(100 * pieces):
+        if len(names) == pieces:
+            break
+        keys = _block_keys(f"w{i}", sizes[len(names)])
+        ps = {partition_of(k, partitions) for k in keys}
+        if len(ps) == len(keys) and not ps & taken:
+            names.append(f"w{i}")
+            taken |= ps
+    if len(names) < pieces:
+        raise ValueError(f"no {pieces} tensors of {nbytes} bytes in distinct partitions")
+    return tuple(names)
+
+
+def shard_bytes(url: str, names: tuple, nbytes: int) -> dict:
+    """Shard -> the bytes of the model's tensors ``names`` (``nbytes`` in all) it holds, from
+    the broker's partition table (as ``gradbus partitions`` shows it): each block's partition,
+    that partition's owner and its bytes."""
+    from gradbus import admin
+    from gradbus.codecs.partition import partition_of
+    table = admin.partitions(url, timeout=30)
+    out: dict = collections.defaultdict(int)
+    for name, elems in zip(names, throughput.parts(nbytes // 4, len(names))):
+        for key in _block_keys(name, elems):
+            p = partition_of(key, len(table["owners"]))
+            out[table["owners"][p] or "unplaced"] += table["bytes"][p]
+    return dict(sorted(out.items()))
+
+
 @contextlib.contextmanager
 def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
                    pids: dict | None = None, board_step: bool = True, inproc: bool = False,
-                   spin_us: int = 0, worker_spin_us: int = 0):
-    """``gradbus up --shards 1`` and the workers running (``run`` may name ``shards``, the
-    workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. Without
+                   spin_us: int = 0, worker_spin_us: int = 0, pieces: int = 1,
+                   info: dict | None = None):
+    """``gradbus up`` and the workers running (``run`` may name ``shards``, 1 by default, the
+    workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. ``pieces``: the
+    tensors the model is split into (:func:`piece_names`; one, ``w``, by default); ``info``,
+    where given, gets ``shard_bytes`` (:func:`shard_bytes`) as the workers leave them. Without
     ``board_step`` the shard copies its weights onto its board after each step (so does
     ``GRADBUS_BOARD_STEP=0`` in the environment, e.g. for ``--hops``). With ``hosts``
     (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
@@ -314,10 +392,16 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
                                   stdin=subprocess.DEVNULL, start_new_session=True,
                                   preexec_fn=_die_with_parent)
             url = _wait_ready(up, log.name, READY_TIMEOUT)
+            names = ("w",)
+            if pieces > 1:
+                from gradbus import admin
+                names = piece_names(pieces, run["bytes"],
+                                    len(admin.partitions(url, timeout=30)["owners"]))
             with environment(GRADBUS_SHM=worker_shm):
                 for i in range(run["workers"]):
                     args = (url, i, run["bytes"], run["depth"], counters, stop, lat[i],
-                            run.get("codec", "raw"), worker_spin_us, run.get("pause", 0.0))
+                            run.get("codec", "raw"), worker_spin_us, run.get("pause", 0.0),
+                            names)
                     target = _gradbus_worker
                     if hosts is not None:
                         target, args = hosts.in_worker(i, target, args)
@@ -327,6 +411,13 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
             if pids is not None:
                 pids.update(server=up.pid, workers=[p.pid for p in procs])
             yield lambda: up.poll() is None and all(p.exitcode is None for p in procs)
+            if pieces > 1:
+                held = shard_bytes(url, names, run["bytes"])
+                if sum(1 for b in held.values() if b) < min(pieces, run.get("shards", 1)):
+                    raise RuntimeError(f"the model's pieces are not spread over the shards: "
+                                       f"{held}")
+                if info is not None:
+                    info["shard_bytes"] = held
         except Exception:
             log.seek(0)
             print(f"peers: gradbus up said:\n{log.read()[-2000:]}", file=sys.stderr)
@@ -344,20 +435,24 @@ def _floor(run: dict, counters, stop, lat, transport: str, step: str = "numpy"):
         yield lambda: all(p.exitcode is None for p in procs)
 
 
-def start(config: str, run: dict, counters, stop, lat):
-    """The configuration's processes as a context manager yielding ``alive()``."""
-    if config in ("rpc", "rpc_tcp", "rpc_clone"):
+def start(config: str, run: dict, counters, stop, lat, info: dict | None = None):
+    """The configuration's processes as a context manager yielding ``alive()``; ``info``, where
+    given, gets what the configuration reports of itself (:func:`gradbus_config`)."""
+    servers = SERVERS.get(config, 1)
+    if config in ("rpc", "rpc_tcp", "rpc_clone", "rpc2"):
         return rpc_config(run, counters, stop, lat, tcp_only=config == "rpc_tcp",
-                          clone=config == "rpc_clone")
+                          clone=config == "rpc_clone", servers=servers)
     if config in ("gradbus_shm", "gradbus_worker_noshm", "gradbus_shm_copy", "gradbus_inproc",
-                  "gradbus_inproc_spin", "gradbus_inproc_spin_all"):
+                  "gradbus_inproc_spin", "gradbus_inproc_spin_all", "gradbus_shm2",
+                  "gradbus_inproc2"):
         spin = config.startswith("gradbus_inproc_spin")
-        return gradbus_config(run, counters, stop, lat,
-                              "0" if config == "gradbus_worker_noshm" else "1",
+        return gradbus_config({**run, "shards": servers} if servers > 1 else run, counters,
+                              stop, lat, "0" if config == "gradbus_worker_noshm" else "1",
                               board_step=config != "gradbus_shm_copy",
                               inproc=config.startswith("gradbus_inproc"),
                               spin_us=200 if spin else 0,
-                              worker_spin_us=500 if config == "gradbus_inproc_spin_all" else 0)
+                              worker_spin_us=500 if config == "gradbus_inproc_spin_all" else 0,
+                              pieces=servers, info=info)
     if config in FLOORS:
         if run.get("pause"):
             raise ValueError(f"{config} takes no pause")
@@ -376,6 +471,7 @@ def measure(config: str, run: dict) -> dict:
     counters, stop = ctx.RawArray("q", run["workers"]), ctx.RawValue("b", 0)
     lat = [Samples(ctx) for _ in range(run["workers"])]
     marks: dict = {"roles": {}}
+    info: dict = {}
 
     def sample():
         marks.setdefault("t0", time.monotonic())
@@ -385,7 +481,7 @@ def measure(config: str, run: dict) -> dict:
             marks["roles"][pid] = role_of(pid)
         return now
 
-    with start(config, run, counters, stop, lat) as alive:
+    with start(config, run, counters, stop, lat, info) as alive:
         win = count_window(counters, alive, run["warmup"], run["seconds"], sample=sample,
                            ready_timeout=READY_TIMEOUT)
     acks, fresh = [], []
@@ -402,7 +498,7 @@ def measure(config: str, run: dict) -> dict:
             "cpu_us_per_update_by_role": {
                 k: round(v / updates * 1e6, 1)
                 for k, v in sorted(cpu_by_role(win["first"], win["last"], marks["roles"]).items())
-            } if updates else None}
+            } if updates else None, **info}
 
 
 # ----------------------------------------------------------------------------- output
@@ -428,6 +524,13 @@ def lines(key: tuple, configs: list, rounds: list, workers: int, pause_us: int =
         for f in ("ack_p50_ms", "ack_p99_ms", "fresh_p50_ms", "fresh_p99_ms"):
             line[f] = _sig(_median(ok, f))
         line["cpu_s_per_update"] = _sig(_median(ok, "cpu_s_per_update"))
+        # the cores the configuration keeps busy, all its processes
+        line["cores_busy"] = (_sig(line["cpu_s_per_update"] * line["updates_per_s"], 3)
+                              if line["cpu_s_per_update"] and line["updates_per_s"] else None)
+        if config in SERVERS:
+            line["servers"] = SERVERS[config]
+        if any(r.get("shard_bytes") for r in ok):
+            line["shard_bytes"] = next(r["shard_bytes"] for r in ok if r.get("shard_bytes"))
         for ref in REFERENCES:
             ratios = [r[config]["updates_per_s"] / r[ref]["updates_per_s"] for r in rounds
                       if r.get(config, {}).get("updates_per_s")

@@ -11,7 +11,15 @@ gradbus applies pushes asynchronously.
 
 A trainer keeps ``depth`` calls in flight (``rpc_async``), waits for the oldest, and counts an
 update when it holds the weights that call returned: the same staleness as a gradbus worker
-with ``depth`` pushes in flight. Each process runs torch with one intra-op thread, as numpy's
+with ``depth`` pushes in flight.
+
+With ``servers`` S > 1 (the ``rpc2`` configuration) the model is split over S parameter-server
+processes, as the PyTorch parameter-server tutorial spreads a model's parameters over servers:
+server i owns the i-th of S equal parts of the weights (rank 0 creates the others' objects with
+``rpc.remote``), and a trainer's update is one ``rpc_async`` per server, each with its part of
+the gradient, resolved (``torch.futures.collect_all``) when every server has returned its
+part's weights tensor. A trainer keeps ``depth`` updates in flight: ``depth`` calls per server.
+An update moves the same bytes as with one server. Each process runs torch with one intra-op thread, as numpy's
 step in the other configurations runs on one.
 
 Everything here imports torch; bench/peers.py imports this module only to run the ``rpc``
@@ -27,6 +35,7 @@ import threading
 import time
 import warnings
 
+import throughput  # the model's parts (bench/ is on the path, as for every bench module)
 import torch
 import torch.distributed.rpc as rpc
 
@@ -54,25 +63,27 @@ class ParameterServer:
         return fut
 
 
-def run_trainer(ps_rref, index: int, n: int, depth: int, pause: float = 0.0) -> None:
-    """A trainer's loop: ``depth`` updates in flight; each time the oldest returns, its weights
-    are the trainer's, until the stop flag."""
+def run_trainer(ps_rrefs: list, index: int, n: int, depth: int, pause: float = 0.0) -> None:
+    """A trainer's loop: ``depth`` updates in flight (an update: one call to each server in
+    ``ps_rrefs`` with its part of the gradient); each time the oldest returns, its weights are
+    the trainer's, until the stop flag."""
     torch.manual_seed(index)
-    grad = torch.randn(n)
-    owner = ps_rref.owner()
+    grads = [torch.randn(m) for m in throughput.parts(n, len(ps_rrefs))]   # a tensor each: no views
+    owners = [r.owner() for r in ps_rrefs]
     lat = _lat[index]
     waiting: collections.deque = collections.deque()
     k = 0
     while not _stop.value:
         lat.sent(k)
-        fut = rpc.rpc_async(owner, ParameterServer.update_and_fetch_weights,
-                            args=(ps_rref, grad))
+        futs = [rpc.rpc_async(owner, ParameterServer.update_and_fetch_weights, args=(r, g))
+                for owner, r, g in zip(owners, ps_rrefs, grads)]
+        fut = futs[0] if len(futs) == 1 else torch.futures.collect_all(futs)
         fut.add_done_callback(lambda _f, k=k: lat.acked(k))
         waiting.append((k, fut))
         k += 1
         if len(waiting) >= depth:
             j, fut = waiting.popleft()
-            weights = fut.wait()                       # the fresh weights, this trainer's now
+            weights = fut.wait()            # the fresh weights (every part's), this trainer's now
             lat.fresh(j)
             del weights
             _counters[index] += 1
@@ -91,8 +102,9 @@ def _die_with_parent() -> None:
 
 def _process(rank: int, trainers: int, n: int, port: int, tcp_only: bool, clone: bool,
              depth: int, counters, stop, lat, place: tuple | None = None,
-             pause: float = 0.0) -> None:
-    """One process of the world: rank 0 the server, which starts the trainers' loops.
+             pause: float = 0.0, servers: int = 1) -> None:
+    """One process of the world: ranks 0..servers-1 the servers, rank 0 starting the trainers'
+    loops (after creating every server's part of the model).
     ``place``, where given, is (network namespace, the server's address, this process's
     interface): the process joins the namespace before it starts a thread (bench/hosts.py)."""
     global _counters, _stop, _lat
@@ -112,22 +124,29 @@ def _process(rank: int, trainers: int, n: int, port: int, tcp_only: bool, clone:
         opts = rpc.TensorPipeRpcBackendOptions(_transports=["uv"], _channels=["basic"])
     else:
         opts = rpc.TensorPipeRpcBackendOptions()
-    name = "ps" if rank == 0 else f"trainer{rank - 1}"
-    rpc.init_rpc(name, rank=rank, world_size=trainers + 1, rpc_backend_options=opts)
+    name = f"ps{rank}" if rank < servers else f"trainer{rank - servers}"
+    rpc.init_rpc(name, rank=rank, world_size=servers + trainers, rpc_backend_options=opts)
     if rank == 0:
-        ps_rref = rpc.RRef(ParameterServer(n, clone))
-        futs = [rpc.rpc_async(f"trainer{i}", run_trainer, args=(ps_rref, i, n, depth, pause))
-                for i in range(trainers)]
+        sizes = throughput.parts(n, servers)
+        ps_rrefs = [rpc.RRef(ParameterServer(sizes[0], clone))] + [
+            rpc.remote(f"ps{i}", ParameterServer, args=(sizes[i], clone))
+            for i in range(1, servers)]
+        futs = [rpc.rpc_async(f"trainer{i}", run_trainer,
+                              args=(ps_rrefs, i, n, depth, pause)) for i in range(trainers)]
         torch.futures.wait_all(futs)
     rpc.shutdown()
 
 
 def processes(ctx, trainers: int, nbytes: int, port: int, tcp_only: bool, clone: bool,
                 depth: int, counters, stop, lat, places: list | None = None,
-                pause: float = 0.0) -> list:
-    """The world's processes (not started): the server, then the trainers; ``places[rank]``
-    says where each runs (see :func:`_process`), all on this host's loopback without it."""
+                pause: float = 0.0, servers: int = 1) -> list:
+    """The world's processes (not started): the ``servers`` servers, then the trainers;
+    ``places[rank]`` says where each runs (see :func:`_process`; one server only), all on this
+    host's loopback without it."""
+    if places and servers != 1:
+        raise ValueError("places are for one server")
     return [ctx.Process(target=_process, daemon=True,
                         args=(rank, trainers, nbytes // 4, port, tcp_only, clone, depth,
-                              counters, stop, lat, places[rank] if places else None, pause))
-            for rank in range(trainers + 1)]
+                              counters, stop, lat, places[rank] if places else None, pause,
+                              servers))
+            for rank in range(servers + trainers)]

@@ -40,6 +40,11 @@ import zmq
 SIZES = {"64K": 64 << 10, "1M": 1 << 20, "4M": 4 << 20, "16M": 16 << 20}
 
 
+def parts(n: int, k: int) -> list[int]:
+    """``n`` elements cut into ``k`` parts as equal as they come (a model split over servers)."""
+    return [n // k + (i < n % k) for i in range(k)]
+
+
 # ----------------------------------------------------------------------------- gradbus
 def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out, curve=False):
     import gradbus

@@ -178,3 +178,41 @@ def test_a_bad_pause_is_refused(args):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers.py"), *args],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--pause-us" in out.stderr
+
+
+@pytest.mark.parametrize("size", ["64K", "4M", "16M"])
+@pytest.mark.parametrize("pieces,partitions", [(2, 256), (3, 256), (2, 16)])
+def test_a_model_in_pieces_has_each_block_in_a_partition_of_its_own(size, pieces, partitions):
+    from gradbus.codecs.partition import partition_of
+    nbytes = peers.throughput.SIZES[size]
+    names = peers.piece_names(pieces, nbytes, partitions)
+    sizes = peers.throughput.parts(nbytes // 4, pieces)
+    assert len(set(names)) == pieces and sum(sizes) * 4 == nbytes
+    keys = [k for n, m in zip(names, sizes) for k in peers._block_keys(n, m)]
+    assert len({partition_of(k, partitions) for k in keys}) == len(keys)
+
+
+def test_the_two_server_configurations_split_the_model_and_say_the_cores_they_keep_busy():
+    import importlib.util
+    configs = ["gradbus_shm2", "gradbus_inproc2"]
+    if importlib.util.find_spec("torch") is not None:
+        configs.insert(0, "rpc2")
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers.py"), "--configs",
+                          ",".join(configs), "--sizes", "64K", "--depth", "1", "--workers", "1",
+                          "--seconds", "1", "--warmup", "0.5"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = {x["config"]: x for x in map(json.loads, out.stdout.splitlines())}
+    assert list(got) == configs, out.stderr[-2000:]
+    for config, line in got.items():
+        assert line["servers"] == 2 and line["updates_per_s"] > 0, line
+        assert line["cores_busy"] == pytest.approx(
+            line["cpu_s_per_update"] * line["updates_per_s"], rel=0.01), line
+        if config.startswith("gradbus"):
+            # where the broker's partition table put the pieces' bytes: on both shards
+            held = line["shard_bytes"]
+            assert len(held) == 2 and all(b > 0 for b in held.values()), held
+            assert sum(held.values()) == line["bytes"] == 64 << 10
+            if "rpc2" in got:
+                assert line["vs_rpc2"] == pytest.approx(
+                    line["updates_per_s"] / got["rpc2"]["updates_per_s"], rel=0.01)

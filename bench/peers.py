@@ -32,12 +32,17 @@ in flight, waits for the oldest, takes the weights that include it, and sends th
                           ``shard_bytes``: a run where one shard holds it all fails
     gradbus_inproc2       ``gradbus_shm2`` with ``--inproc``: both shards in the broker's process
     gradbus_inproc_spin   ``gradbus_inproc`` with GRADBUS_BROKER_SPIN_US=200: the broker's loop
-                          polls without sleeping for 200 us after a turn with messages (an
-                          operator's setting, off by default; not run by default)
+                          polls without sleeping for 200 us after a turn with messages, whatever
+                          the host (by default it does only where the host has cores to spare,
+                          gradbus/codecs/cores.py; not run by default)
     gradbus_inproc_spin_all  ``gradbus_inproc_spin`` with workers connected with
                           ``spin_us=500``: a worker waiting in a push's ``result()`` polls its
-                          local link without sleeping for 500 us before it blocks (a setting of
-                          the SDK, off by default; not run by default)
+                          local link without sleeping for 500 us before it blocks, whatever the
+                          host (not run by default)
+
+Every other gradbus configuration runs with the defaults: the broker's, the shards' and the
+workers' spins and the shards' pass threads chosen from the host's cores (none on a host of
+fewer than 4 cores).
     gradbus_worker_noshm  the same with GRADBUS_SHM=0 in the workers (workers on other hosts)
     gradbus_shm_copy      ``gradbus_shm`` with GRADBUS_BOARD_STEP=0: the shard steps its weights
                           in place, then copies them onto its board, where ``gradbus_shm`` steps
@@ -247,7 +252,7 @@ def end_workers(procs: list, stop, grace: float) -> None:
 
 
 def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, stop, lat,
-                    codec: str = "raw", spin_us: int = 0, pause: float = 0.0,
+                    codec: str = "raw", spin_us: int | None = None, pause: float = 0.0,
                     names: tuple = ("w",)) -> None:
     """A worker's loop; the model is one tensor per name of ``names``, the ``nbytes`` split
     between them (:func:`throughput.parts`), all pushed in one call."""
@@ -358,7 +363,7 @@ def shard_bytes(url: str, names: tuple, nbytes: int) -> dict:
 @contextlib.contextmanager
 def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
                    pids: dict | None = None, board_step: bool = True, inproc: bool = False,
-                   spin_us: int = 0, worker_spin_us: int = 0, pieces: int = 1,
+                   spin_us: int = 0, worker_spin_us: int | None = None, pieces: int = 1,
                    info: dict | None = None):
     """``gradbus up`` and the workers running (``run`` may name ``shards``, 1 by default, the
     workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. ``pieces``: the
@@ -451,7 +456,7 @@ def start(config: str, run: dict, counters, stop, lat, info: dict | None = None)
                               board_step=config != "gradbus_shm_copy",
                               inproc=config.startswith("gradbus_inproc"),
                               spin_us=200 if spin else 0,
-                              worker_spin_us=500 if config == "gradbus_inproc_spin_all" else 0,
+                              worker_spin_us=500 if config == "gradbus_inproc_spin_all" else None,
                               pieces=servers, info=info)
     if config in FLOORS:
         if run.get("pause"):

@@ -91,6 +91,14 @@ def pass_threads(requested: int | None = None, *, cores: int | None = None,
     return max(1, min(MAX_PASS_THREADS, cores // max(1, host_shards)))
 
 
+def local_shards(cores: int | None = None) -> int:
+    """Shard processes for a local cluster (``gradbus up``) on a host of ``cores`` usable
+    cores: 2 up to 16 cores (one broker feeds them; each shard's big blocks are split over
+    its pass threads), then one per 8 cores, at most 8 (one broker's loop is the ceiling)."""
+    cores = usable_cores() if cores is None else cores
+    return max(2, min(8, cores // 8))
+
+
 class Spin:
     """How long a loop polls without sleeping after a turn with messages (see the module's
     docstring). ``forced_us``: an operator's number (0: never), or None to judge from the

@@ -9,6 +9,7 @@ the ports it had, a shard from its newest checkpoint when the cluster has a data
 from __future__ import annotations
 
 import ctypes
+import os
 import random
 import signal
 import socket
@@ -17,7 +18,7 @@ import sys
 import time
 
 from gradbus import admin, stderr_tail
-from gradbus.codecs import net, security
+from gradbus.codecs import cores, net, security
 from gradbus.codecs.errors import GradbusError
 
 STOP_GRACE = 5.0
@@ -181,6 +182,14 @@ class LocalCluster:
         return net.url(self.host, self.pair_ports[name][0])
 
     # -- processes ---------------------------------------------------------------------
+    def _env(self) -> dict:
+        """The children's environment: this process's, and the shard processes sharing this
+        host's cores (for their pass threads, :func:`gradbus.codecs.cores.pass_threads`;
+        in-process shards share one pool), unless the caller set it."""
+        env = dict(os.environ)
+        env.setdefault(cores.HOST_SHARDS_ENV, str(1 if self.inproc else self.n_shards))
+        return env
+
     def _spawn(self, args: list[str]) -> subprocess.Popen:
         """``gradbus <args>`` started; quiet, its stderr is kept for what it last said
         (``proc.stderr_tail``, :mod:`gradbus.stderr_tail`), for the error if it fails."""
@@ -188,7 +197,7 @@ class LocalCluster:
         try:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "gradbus", *args], stdout=subprocess.PIPE,
-                stderr=tail.fd if tail else None, text=True,
+                stderr=tail.fd if tail else None, text=True, env=self._env(),
                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         except BaseException:
             if tail:

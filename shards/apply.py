@@ -228,23 +228,28 @@ class Applier:
         gradients go through :meth:`_accepted` one at a time instead, which refuses exactly
         the bad ones (the sum is the same either way). One raw frame is used as it is. Where
         the key's rule can, its step is taken while the frames are read instead
-        (:meth:`_step_reading`)."""
+        (:meth:`_step_reading`). A big block's passes are split over the pass threads."""
         fresh, idents = self._unseen(items, work.pst)
         if not fresh:
             return
         stepped = self._step_reading(key, fresh, idents, work)
         if stepped:
             return
-        split = stepped is None and self._pieces(key) > 1
-        if stepped is None and (split or len(fresh) > 1 or fresh[0][4].pieces.coder != "raw"):
-            acc = (self._sum_pieces_split if split else self._sum_pieces)(key, fresh)
-            if acc is not None:
-                for ident in idents:
-                    work.pst.seen(ident)
-                # first: the step's sum adds any other gradients of the key into this buffer
-                work.sums.setdefault(key, []).insert(
-                    0, (None, acc, sum(item[2].count for item in fresh), len(fresh)))
-                return
+        acc = None
+        if stepped is None and self._pieces(key) > 1:       # split over the pass threads
+            one = fresh[0] if len(fresh) == 1 else None
+            acc = (self._checked_split(key, one[4])          # one raw frame, as it is
+                   if one and one[4].pieces.coder == "raw" and one[1].w is None
+                   else self._sum_pieces_split(key, fresh))
+        elif stepped is None and (len(fresh) > 1 or fresh[0][4].pieces.coder != "raw"):
+            acc = self._sum_pieces(key, fresh)
+        if acc is not None:
+            for ident in idents:
+                work.pst.seen(ident)
+            # first: the step's sum adds any other gradients of the key into this buffer
+            work.sums.setdefault(key, []).insert(
+                0, (None, acc, sum(item[2].count for item in fresh), len(fresh)))
+            return
         for idx, ent, desc, frame, _ in fresh:
             try:
                 self._keep(ent, desc, frame, work)
@@ -334,6 +339,16 @@ class Applier:
         got = self._split(acc.size, dt, self._pieces(key), piece,
                           [item[4].matches for item in fresh])
         return acc if all(got) else None
+
+    def _checked_split(self, key: str, stream):
+        """One raw frame's values as they are (a view), checked in pieces at once (its
+        checksum whole beside them, finiteness by piece); None where either fails."""
+        vals = stream.peek(0, self.store.blocks[key].held.size, None)
+        check = self.nan_policy == "refuse"
+        got = self._split(vals.size, vals.dtype, self._pieces(key),
+                          lambda sl, _: not check or values.all_finite(vals[sl]),
+                          [stream.matches])
+        return vals if all(got) else None
 
     def _step_split(self, pieces: int, held):
         """A block's ``split`` for :meth:`ParameterStore.step` (None: one piece)."""

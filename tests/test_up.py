@@ -17,7 +17,7 @@ import zmq
 import gradbus
 from gradbus import admin
 from gradbus.cluster import RestartPolicy
-from gradbus.codecs import net
+from gradbus.codecs import cores, net
 
 from .rigs import wait_for, zombie_or_gone
 
@@ -315,3 +315,41 @@ def test_a_failed_final_checkpoint_makes_up_exit_non_zero(up, tmp_path):
                     f"its stderr:\n{u.stderr()}")
     assert code == 1, u.stderr()
     assert "shard-0 exited with" in u.stderr()
+
+
+# -- the host's layout ------------------------------------------------------------------------
+
+def test_the_local_layout_follows_the_cores():
+    assert [cores.local_shards(n) for n in (1, 2, 8, 16, 24, 32, 64, 256)] == \
+        [2, 2, 2, 2, 3, 4, 8, 8]
+
+
+def _environ(pid: int) -> dict:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+    return {k.decode(): v.decode() for k, v in pairs}
+
+
+def test_up_says_its_layout_and_tells_the_shards_how_many_share_the_host(up, monkeypatch):
+    monkeypatch.delenv(cores.HOST_SHARDS_ENV, raising=False)
+    u = up()                                   # no --shards: from the host's cores
+    u.ready()
+    want = cores.local_shards()
+    line = next(ln for ln in u.stderr().splitlines() if ln.startswith("layout: "))
+    assert line.startswith(f"layout: {want} shards (from {cores.usable_cores()} usable cores)")
+    assert f"{cores.pass_threads(host_shards=want)} pass thread" in line
+    kids = wait_for(lambda: (lambda k: k if len(k) == want + 1 else None)(u.children()), 30,
+                    "the broker and the shards")
+    for role, pid in kids.items():
+        assert _environ(pid)[cores.HOST_SHARDS_ENV] == str(want), role
+
+
+def test_up_with_inproc_shards_shares_one_pool_and_says_so(up, monkeypatch):
+    monkeypatch.delenv(cores.HOST_SHARDS_ENV, raising=False)
+    u = up("--shards", "3", "--inproc")
+    u.ready()
+    line = next(ln for ln in u.stderr().splitlines() if ln.startswith("layout: "))
+    assert line.startswith("layout: 3 shards in the broker process (set --shards)")
+    assert "in all" in line
+    kids = wait_for(lambda: u.children() or None, 30, "the broker")
+    assert _environ(kids["broker"])[cores.HOST_SHARDS_ENV] == "1"

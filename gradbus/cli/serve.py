@@ -257,7 +257,9 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
 
 @config.config_option
 @click.command()
-@click.option("--shards", default=2, show_default=True, type=click.IntRange(1, 64))
+@click.option("--shards", default=None, type=click.IntRange(1, 64),
+              help="Shard processes (default: from the host's cores: 2 up to 16 usable "
+                   "cores, then one per 8, at most 8).")
 @click.option("--port", default=5555, show_default=True, type=click.IntRange(0, 65535),
               help="Client port (0: a free one).")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -306,6 +308,7 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
     ctx = click.get_current_context()
     forward = config.forward_args(ctx)   # children read the same file
     forward = [*forward, "--shm" if shm else "--no-shm"]
+    shards = _layout(shards, inproc)
     if replicas > shards:
         raise click.BadParameter(f"{replicas} replicas need at least as many shards "
                                  f"(--shards {shards})", param_hint="--replicas")
@@ -322,6 +325,24 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
     except (GradbusError, OSError, ValueError) as e:
         raise click.ClickException(str(e))
     _run_cluster(cluster, stop, RestartPolicy(max_restarts))
+
+
+def _layout(shards: int | None, inproc: bool) -> int:
+    """The shards ``up`` runs (``shards``, else from the host's cores), said on stderr with
+    the pass threads and the spins the processes will choose."""
+    from gradbus.codecs import cores
+    n = cores.usable_cores()
+    picked = shards or cores.local_shards(n)
+    # in-process shards share the broker's one pool; shard processes divide the cores
+    threads = cores.pass_threads(host_shards=1 if inproc else picked)
+    spin = cores.Spin(None, cores.BROKER_SPIN_US, cores=n)
+    click.echo(f"layout: {picked} shard{'s' * (picked != 1)}"
+               f"{' in the broker process' if inproc else ''} ({'set' if shards else 'from'} "
+               f"{'--shards' if shards else f'{n} usable cores'}), {threads} pass "
+               f"thread{'s' * (threads != 1)} {'in all' if inproc else 'each'}; loops spin "
+               f"after work: {'yes' if spin.seconds() else 'no'} (load {cores.host_load():.1f})",
+               err=True)
+    return picked
 
 
 def _run_cluster(cluster, stop: threading.Event, policy=None) -> None:

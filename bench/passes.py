@@ -1,4 +1,4 @@
-"""A shard's step of one big block on 1, 2, 4, 8 pass threads (shards/passes.py): what splitting
+"""A shard's step of one big block on 1, 2, 4, 8 pass threads (gradbus/codecs/passes.py): what splitting
 a block's passes over threads buys on this host.
 
 A ShardCore (no sockets, no loop) holds one fp32 block of ``--size`` bytes and a weights board,

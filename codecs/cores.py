@@ -91,6 +91,23 @@ def pass_threads(requested: int | None = None, *, cores: int | None = None,
     return max(1, min(MAX_PASS_THREADS, cores // max(1, host_shards)))
 
 
+CLIENT_THREADS_ENV = "GRADBUS_CLIENT_THREADS"   # a client's copy threads (0 or unset: host)
+
+
+def client_threads(requested: int | None = None, *, cores: int | None = None,
+                   environ=None) -> int:
+    """The threads a client copies big tensors with (into its push ring, out of weights
+    boards): ``requested`` where given and not 0, else ``$GRADBUS_CLIENT_THREADS`` where set
+    and not 0, else one per 8 usable cores, between 1 and 4 (a training host runs a worker
+    per device, and the workers share its cores); 1 below :data:`MIN_CORES` cores."""
+    if not requested:
+        requested = env_count(CLIENT_THREADS_ENV, environ) or None
+    if requested:
+        return max(1, int(requested))
+    cores = usable_cores() if cores is None else cores
+    return 1 if cores < MIN_CORES else max(1, min(4, cores // 8))
+
+
 def local_shards(cores: int | None = None) -> int:
     """Shard processes for a local cluster (``gradbus up``) on a host of ``cores`` usable
     cores: 2 up to 16 cores (one broker feeds them; each shard's big blocks are split over

@@ -264,6 +264,9 @@ class Mapper:
         self.segs: collections.OrderedDict[str, Segment] = collections.OrderedDict()
         self.used: dict[str, float] = {}      # name -> when it was last asked for (monotonic)
         self.lock = threading.Lock()
+        # big copies out of boards in pieces on these threads (a codecs.passes.Passes; None:
+        # one thread)
+        self.passes = None
 
     def segment(self, name: str) -> Segment:
         now = time.monotonic()
@@ -326,7 +329,10 @@ class Mapper:
         got = self._board_span(seg, ref, out.nbytes)
         if got is None:
             return False
-        out[:] = got
+        if self.passes is not None:
+            self.passes.copy(out, got)
+        else:
+            out[:] = got
         return self._stamped(ref, seg)
 
     def _board_span(self, seg: Segment, ref, n: int) -> memoryview | None:
@@ -389,7 +395,10 @@ class Mapper:
             stamp, h = self._newest(view, h0, h1)
             if not stamp or _U64.unpack_from(view, h + 24)[0] != n:
                 return None
-            out[:] = view[h + ALIGN:h + ALIGN + n]
+            if self.passes is not None:
+                self.passes.copy(out, view[h + ALIGN:h + ALIGN + n])
+            else:
+                out[:] = view[h + ALIGN:h + ALIGN + n]
             version = _U64.unpack_from(view, h + 8)[0]
             if _U64.unpack_from(view, h)[0] == stamp:
                 return stamp, version

@@ -116,6 +116,8 @@ class Ring:
         self._tokens = itertools.count(1)
         self.failed: str | None = None        # why the ring stopped making segments
         self.stats = collections.Counter()
+        # big copies in pieces on these threads (a codecs.passes.Passes; None: one thread)
+        self.passes = None
         self._grow(first)                      # the first segment is also the probe
 
     @property
@@ -159,11 +161,17 @@ class Ring:
                 got.append(slot)
             self.held[msg] = got
         refs = []
+        passes = self.passes
         for j, ((arena, off, n), buf) in enumerate(zip(got, bufs)):
+            dst = arena.seg.view[off:off + n]
             if digests is not None and digests[j] is None:
-                digests[j] = _copy_hashing(arena.seg.view[off:off + n], memoryview(buf))
+                got_hash = passes.copy_hashing(dst, buf) if passes is not None and n else None
+                digests[j] = got_hash if got_hash is not None else \
+                    _copy_hashing(dst, memoryview(buf))
+            elif n and passes is not None:
+                passes.copy(dst, buf)
             elif n:
-                arena.seg.view[off:off + n] = memoryview(buf).cast("B")
+                dst[:] = memoryview(buf).cast("B")
             refs.append([arena.seg.name, off])
         return refs
 

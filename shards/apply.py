@@ -27,9 +27,9 @@ from gradbus.codecs import device, stats, values, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.messages import BatchPart, InitEntry, PushEntry, TableInitEntry
 from gradbus.codecs.partition import split_key
+from gradbus.codecs.passes import Passes
 
 from . import backend as backend_mod
-from .passes import Passes
 from .rows import RowBatch
 from .store import ParameterStore, PartitionState
 
@@ -294,7 +294,7 @@ class Applier:
         self.stats["steps_in_one_pass"] = self.stats.get("steps_in_one_pass", 0) + 1
         return True
 
-    # -- a big block's passes split over the pass threads (see .passes) ----------------------
+    # -- a big block's passes split over the pass threads (see gradbus.codecs.passes) ----------------------
     def _pieces(self, key: str) -> int:
         """How many pieces ``key``'s passes are cut into (1: one thread, as without a pool)."""
         return self.passes.pieces(self.store.blocks[key].held.nbytes) if self._splits else 1

@@ -22,11 +22,11 @@ import time
 import numpy as np
 
 from gradbus.codecs import cores, hops, jit, messages, stats, wire
+from gradbus.codecs import passes as passes_mod
 from gradbus.codecs.errors import WireError
 from gradbus.codecs.partition import split_row_key
 
 from . import backend as backend_mod
-from . import passes as passes_mod
 from .apply import Applier
 from .publish import Publisher
 from .replication import Replication
@@ -42,7 +42,7 @@ class ShardCore:
     def __init__(self, shard_id: str, *, weights_codec: str = "raw",
                  max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, nan_policy: str = "refuse",
                  backend=None, threads: int | None = 1):
-        """``threads``: the threads a big block's passes are split over (:mod:`.passes`;
+        """``threads``: the threads a big block's passes are split over (:mod:`gradbus.codecs.passes`;
         None or 0: from the host's cores, :func:`gradbus.codecs.cores.pass_threads`), a pool
         shared by the shards of this process; :meth:`close` gives it back."""
         if nan_policy not in NAN_POLICIES:

@@ -7,7 +7,7 @@ nothing. With ``out`` (where the backend ``steps_out``) the stepped values go th
 left as it is; the optimizer state is updated in place either way. ``ranged(w, g, k, state,
 out=None)`` is the same step as ``run(sl, scratch)``, to be called once for each piece ``sl`` of
 the block (its state advanced once, at ``ranged``): the pieces of a big block step at once on a
-shard's pass threads (:mod:`.passes`), the same bits as one step.
+shard's pass threads (:mod:`gradbus.codecs.passes`), the same bits as one step.
 
 A batch of ``k`` gradients is applied as ``k`` steps of their mean, in one pass: the optimizer
 state advances in closed form by ``k`` steps (Adam's ``t += k``, ``m = b1^k m + (1-b1^k) mean``,
@@ -60,7 +60,7 @@ class SGDRule:
 
     def ranged(self, w, g, k: int, st: dict, out=None):
         """The step as ``run(sl, scratch)``: elements ``sl`` of it (None: all), so that pieces
-        of a block may step at once (:mod:`.passes`); each element as :meth:`step` does."""
+        of a block may step at once (:mod:`gradbus.codecs.passes`); each element as :meth:`step` does."""
         if self.momentum:
             v, lr, mu = st["v"], self.lr, self.momentum
             return lambda sl, scratch: self.be.momentum_step(

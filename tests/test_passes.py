@@ -1,4 +1,4 @@
-"""A shard's passes over a big block split over threads (shards/passes.py): the pool's own
+"""A shard's passes over a big block split over threads (gradbus/codecs/passes.py): the pool's own
 rules, and a shard with 4 pass threads holding the same bits as one with a single thread for
 every optimizer, whether it steps onto its weights board (the primary's one-pass step) or in
 place (a standby), with batches of one to three pushes, scaled pushes, a frame whose checksum
@@ -10,10 +10,9 @@ import threading
 import numpy as np
 import pytest
 
-from gradbus.codecs import cores, shm, wire
+from gradbus.codecs import cores, passes, shm, wire
 from gradbus.codecs.errors import Code
 from gradbus.codecs.partition import TensorLayout
-from gradbus.shards import passes
 
 from .rigs import CheckedShard, unpack
 
@@ -190,3 +189,49 @@ def test_four_pass_threads_give_the_bits_of_one(board, opt, chain):
             sc.close()
         one_board.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("gradbus-pass")]
+
+
+# ----------------------------------------------------------------------------- the client
+def test_copies_in_pieces_are_whole_and_hash_as_the_wire_does():
+    p = passes.Passes(4)
+    try:
+        src = np.random.default_rng(0).integers(0, 255, (3 << 20) + 5, np.uint8)
+        dst = bytearray(src.nbytes)
+        assert p.copy_hashing(memoryview(dst), src) == wire.checksum(src)
+        assert bytes(dst) == src.tobytes()
+        dst2 = bytearray(src.nbytes)
+        p.copy(memoryview(dst2), memoryview(src))
+        assert bytes(dst2) == src.tobytes()
+        assert p.stats["split_passes"] == 2
+        small = bytearray(1000)                       # below a piece: not split, not hashed
+        assert p.copy_hashing(memoryview(small), bytes(range(200)) * 5) is None
+        p.copy(memoryview(small), bytes(range(200)) * 5)
+        assert bytes(small) == bytes(range(200)) * 5 and p.stats["split_passes"] == 2
+    finally:
+        p.close()
+
+
+def test_the_client_copy_threads_follow_the_host():
+    assert cores.client_threads(cores=2, environ={}) == 1
+    assert cores.client_threads(cores=16, environ={}) == 2
+    assert cores.client_threads(cores=128, environ={}) == 4
+    assert cores.client_threads(cores=2, environ={cores.CLIENT_THREADS_ENV: "3"}) == 3
+    assert cores.client_threads(6, cores=2, environ={}) == 6
+
+
+def test_a_client_with_copy_threads_pushes_and_pulls_the_known_answer(make_cluster):
+    import gradbus
+    cluster = make_cluster(1, processes=False)
+    n = 3 << 20                               # 12 MiB: blocks of 4 MiB, each in 8 pieces
+    with gradbus.connect(cluster.url, timeout=30, threads=4) as c:
+        assert c.passes is not None and c.passes.threads == 4 and c.shm is not None
+        c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        g = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+        vers = [c.push({"w": g}).result(30)["ver"] for _ in range(3)]
+        w = c.pull(["w"], min_version=max(vers), timeout=30)["w"]
+        want = -(g + g + g)
+        assert np.array_equal(w, want)
+        assert c.passes.stats["split_passes"] > 0     # the ring's and the board's copies
+    for bad in (-1, 1.5, "2"):
+        with pytest.raises(ValueError, match="threads"):
+            gradbus.Client("tcp://127.0.0.1:1", threads=bad, timeout=0.1)

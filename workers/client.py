@@ -25,7 +25,7 @@ from concurrent.futures import Future
 import numpy as np
 import zmq
 
-from gradbus.codecs import cores, net, security, specs, wire
+from gradbus.codecs import cores, net, passes, security, specs, wire
 from gradbus.codecs import shm as shmem
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import (
@@ -83,6 +83,10 @@ class Client(PushMethods, TableMethods):
     for a core spent while waiting (0: it sleeps at once). None, the default, judges from the
     host: 500 us where it has cores to spare (at least 4 usable and, by its load average, a
     quarter of them idle), else 0 (:class:`gradbus.codecs.cores.Spin`).
+
+    ``threads``: threads that copy a big tensor (512 KiB and more) into the push ring and out
+    of the shards' weights boards in pieces at once (None or 0: ``$GRADBUS_CLIENT_THREADS``,
+    else one per 8 usable cores, 1 to 4; 1 on a host of fewer than 4 cores).
     """
 
     def __init__(self, url: str | None = None, *, client_id: bytes | str | None = None,
@@ -93,7 +97,7 @@ class Client(PushMethods, TableMethods):
                  window_bytes: int = DEFAULT_WINDOW_BYTES,
                  resend_after: float | None = RESEND_AFTER,
                  curve: security.Curve | bool | None = None, shm: bool | None = None,
-                 spin_us: int | None = None):
+                 spin_us: int | None = None, threads: int | None = None):
         # one broker, or a broker pair's two (protocol section 23)
         self.urls = net.broker_urls(url or net.default_broker())
         self._at = 0
@@ -107,6 +111,9 @@ class Client(PushMethods, TableMethods):
                              f"not {spin_us!r}")
         # None: judged from the host (a caller spins where the host has cores to spare)
         self.spin = cores.Spin(spin_us, cores.CALLER_SPIN_US)
+        if threads is not None and (type(threads) is not int or threads < 0):
+            raise ValueError(f"threads must be None or an int >= 0, not {threads!r}")
+        n_copiers = cores.client_threads(threads)
         if resend_after is not None and resend_after <= 0:
             raise ValueError("resend_after must be positive (or None: never resend)")
         self.resend_after = resend_after
@@ -132,6 +139,7 @@ class Client(PushMethods, TableMethods):
         self._closed = False
         self._tables: dict[str, dict] = {}           # table name -> its settings (from the broker)
         self._rewritten: dict[str, float] = {}       # name -> since when a pull could not read it
+        self.passes = passes.shared(n_copiers) if n_copiers > 1 else None
         self.ctx = zmq.Context()
         try:
             at, welcome = net.hello_any(self.ctx, self.urls, 0, "client", timeout,
@@ -141,7 +149,7 @@ class Client(PushMethods, TableMethods):
             # a client of a broker pair reads and pushes frames: its shared memory would be
             # the active broker's, and it may move to the other
             self.shm = ClientShm.offered(welcome, shmem.wanted(shm) and len(self.urls) == 1,
-                                         window_bytes)
+                                         window_bytes, self.passes)
             self.partitions = welcome["partitions"]
             # weights read as frames are followed by conflated delivery (no shared memory)
             self.cache = self.pipeline.cache = WeightCache(self.partitions,
@@ -162,6 +170,8 @@ class Client(PushMethods, TableMethods):
             self.ctx.destroy(linger=0)
             if getattr(self, "shm", None) is not None:
                 self.shm.close()
+            if self.passes is not None:
+                passes.release(self.passes)
             raise
         self.agent.start()
 
@@ -490,6 +500,8 @@ class Client(PushMethods, TableMethods):
             self.ctx.term()
             if self.shm is not None:
                 self.shm.close()
+            if self.passes is not None:
+                passes.release(self.passes)
 
     def __enter__(self) -> "Client":
         return self

@@ -23,10 +23,14 @@ RING_SLACK = 1.5     # ring bytes per byte of credit window: slots wait for FREE
 
 
 class ClientShm:
-    def __init__(self, cluster: str, window_bytes: int):
+    def __init__(self, cluster: str, window_bytes: int, passes=None):
+        """``passes``: a :class:`gradbus.codecs.passes.Passes` that copies big tensors into
+        the ring and out of boards in pieces at once (None: one thread)."""
         self.cluster = cluster
         self.ring = shm.Ring(cluster, int(window_bytes * RING_SLACK) + shm.MIN_RING_SEGMENT)
         self.mapper = shm.Mapper()
+        if passes is not None and passes.threads > 1:
+            self.ring.passes = self.mapper.passes = passes
         self.lock = threading.Lock()
         # address -> (token, bytes, segment, offset, address): the gradient buffers not pushed
         self.buffers: dict[int, tuple] = {}
@@ -109,7 +113,8 @@ class ClientShm:
         return None
 
     @classmethod
-    def offered(cls, welcome: dict, wanted: bool, window_bytes: int) -> ClientShm | None:
+    def offered(cls, welcome: dict, wanted: bool, window_bytes: int,
+                passes=None) -> ClientShm | None:
         """``welcome``: the WELCOME header (a dict, as ``net.hello`` returns it)."""
         if not wanted:
             return None
@@ -117,7 +122,7 @@ class ClientShm:
         if cluster is None:
             return None
         try:
-            return cls(cluster, window_bytes)
+            return cls(cluster, window_bytes, passes)
         except OSError:      # no room even for the first segment: logged, frames then
             return None
 

@@ -1,4 +1,5 @@
-"""A shard's passes over a batch's bytes, spread over a fixed pool of threads.
+"""Passes over big buffers spread over a fixed pool of threads: a shard's over a batch's
+blocks, a client's copies into its push ring and out of the weights boards.
 
 A block is at most 4 MiB; its passes (each frame's checksum, the sum of its gradients, the
 finiteness check, the optimizer step and its write onto the weights board) are elementwise, so
@@ -22,9 +23,19 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from gradbus.codecs import cores
+import numpy as np
+import xxhash
+
+from . import cores
 
 MIN_PIECE_BYTES = 512 << 10      # a piece's pass must outweigh handing it to a thread (~20 us)
+ALIGN = 4096                     # copies cut on page boundaries
+
+
+def _bytes(buf) -> np.ndarray:
+    """A byte buffer as a flat uint8 array over the same memory (numpy's copies release the
+    interpreter lock; a memoryview's do not)."""
+    return np.frombuffer(memoryview(buf).cast("B"), np.uint8)
 
 
 class Passes:
@@ -84,6 +95,28 @@ class Passes:
         self.stats["split_passes"] += 1
         self.stats["pieces"] += len(tasks)
         return [*out, last]
+
+    def copy(self, dst, src) -> None:
+        """``dst[:] = src`` (byte buffers of one size), in pieces at once where it is big."""
+        pieces = self.pieces(memoryview(dst).nbytes)
+        if pieces == 1:
+            memoryview(dst).cast("B")[:] = memoryview(src).cast("B")
+            return
+        d, s = _bytes(dst), _bytes(src)
+        self.run([lambda sl=sl: np.copyto(d[sl], s[sl])
+                  for sl in self.ranges(d.size, pieces, ALIGN)])
+
+    def copy_hashing(self, dst, src) -> int | None:
+        """:meth:`copy`, and the xxh3-64 of ``src`` hashed whole beside the pieces (None
+        where the copy is not split: the caller hashes as it copies)."""
+        pieces = self.pieces(memoryview(dst).nbytes)
+        if pieces == 1:
+            return None
+        d, s = _bytes(dst), _bytes(src)
+        got = self.run([*(lambda sl=sl: np.copyto(d[sl], s[sl])
+                          for sl in self.ranges(d.size, pieces, ALIGN)),
+                        lambda: xxhash.xxh3_64_intdigest(s)])
+        return got[-1]
 
     def close(self) -> None:
         """End the helper threads (they finish what they run first)."""

@@ -36,13 +36,32 @@ SHARD_SPIN_US = 200
 CALLER_SPIN_US = 500
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity mask; the CPU count where the platform
-    has no affinity)."""
+CPU_MAX = "/sys/fs/cgroup/cpu.max"   # cgroup v2: "QUOTA PERIOD" or "max PERIOD"
+
+
+def usable_cores(cpu_max: str = CPU_MAX) -> int:
+    """The cores this process may run on: its affinity mask (the CPU count where the platform
+    has none), and no more than its cgroup's CPU quota allows, rounded up (a container given
+    ``--cpus 4`` or a Kubernetes CPU limit sees every core of the host in its mask)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        n = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
+        n = os.cpu_count() or 1
+    quota = cgroup_quota(cpu_max)
+    return max(1, min(n, quota) if quota else n)
+
+
+def cgroup_quota(path: str = CPU_MAX) -> int | None:
+    """The cores a cgroup v2 CPU quota allows, rounded up; None where there is none (no
+    cgroup v2, no limit, or a file that does not parse)."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, -(-int(quota) // int(period)))
+    except (OSError, ValueError):
+        return None
 
 
 def host_load() -> float:

@@ -129,3 +129,18 @@ def test_a_cluster_told_to_spin_goes_quiet_when_its_traffic_stops(make_cluster):
         last["t"], last["cpu"] = now, cpu
         return before[0] is not None and (cpu - before[1]) / (now - before[0]) < 0.10
     wait_for(quiet, 30.0, "the broker and the shard to go quiet after the traffic")
+
+
+def test_a_cgroup_cpu_quota_caps_the_usable_cores(tmp_path):
+    f = tmp_path / "cpu.max"
+    f.write_text("250000 100000\n")                 # --cpus 2.5
+    assert cores.cgroup_quota(str(f)) == 3
+    assert cores.usable_cores(str(f)) == min(3, len(os.sched_getaffinity(0)))
+    f.write_text("max 100000\n")
+    assert cores.cgroup_quota(str(f)) is None
+    assert cores.usable_cores(str(f)) == len(os.sched_getaffinity(0))
+    f.write_text("garbage")
+    assert cores.cgroup_quota(str(f)) is None
+    assert cores.cgroup_quota(str(tmp_path / "none")) is None
+    f.write_text("50000 100000")                    # half a core: still one
+    assert cores.usable_cores(str(f)) == 1

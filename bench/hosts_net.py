@@ -120,6 +120,15 @@ def permitted() -> str | None:
     return None
 
 
+def cut_permitted() -> str | None:
+    """None where links between hosts can also be cut (iptables drops in a host's namespace,
+    as the tests that cut a network do); else why not."""
+    why = permitted()
+    if why is None and shutil.which("iptables") is None:
+        why = "iptables is not installed (Debian: apt-get install iptables)"
+    return why
+
+
 def enter(ns: str) -> None:
     """Moves the calling thread, and every thread it starts later, into namespace ``ns``."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)

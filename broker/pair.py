@@ -61,6 +61,12 @@ class Pair:
         return (self.peer_connected and self.peer_heard is not None
                 and now - self.peer_heard <= self.window)
 
+    def peer_votes(self, now: float) -> bool:
+        """The peer votes for this broker (protocol section 23, :mod:`.quorum`): it is heard,
+        as the standby, naming this broker's epoch (it has heard this one active at it)."""
+        return (self.role == ACTIVE and self.peer_alive(now) and self.peer_role == STANDBY
+                and self.peer_epoch == self.epoch)
+
     @property
     def active(self) -> bool:
         return self.role == ACTIVE

@@ -33,6 +33,7 @@ from gradbus.codecs import shm as shmem
 from gradbus.codecs.errors import Code, WireError
 
 from . import log as ulog
+from . import quorum
 from .actions import (
     AppendLog,
     Capture,
@@ -124,6 +125,7 @@ class BrokerServer:
         self.send_failures = 0
         self.pair = self.pair_link = None
         self.deposed: Deposed | None = None     # set when the loop ended deposed
+        self.quorate = False      # a pair's active broker has the votes to act (section 23)
         if peer is not None:
             if log is not None or core_kw.get("replay") is not None:
                 self.close()
@@ -139,7 +141,9 @@ class BrokerServer:
             except BaseException:
                 self.close()
                 raise
-            self.core.pair_status = self.pair.status
+            self.lease = quorum.lease(s.heartbeat_interval, s.liveness)
+            self.core.pair_status = lambda now: {**self.pair.status(now),
+                                                 "quorum": self.pair.active and self.quorate}
 
     def _open(self, curve, port: int, backend_port: int, events_port: int) -> None:
         if curve is not None:
@@ -313,18 +317,42 @@ class BrokerServer:
                 return True
             if was:       # the shard has seen a newer epoch: this broker was deposed
                 self._deposed(pair.deposed, f"shard {h.get('shard')!r} has seen epoch {seen}")
-        elif pair.active:
+        elif pair.active and (backend or self.quorate):
             return True
         elif (kind == wire.HELLO and h.get("role") == "shard") or kind == wire.STATUS:
             return True          # a shard finds its backend; ops see the standby's role
         if kind == wire.BYE:
             return False
         ids = {k: v for k in ("msg", "req") if type(v := h.get(k)) is int}
-        err = [wire.error(Code.NOT_ACTIVE, "this broker is the standby of its pair; "
-                                           "try the other", **ids)]
+        why = ("this broker of a pair lacks the votes to act (a majority of its partitions' "
+               "copies, with its peer when they are even)" if pair.active
+               else "this broker is the standby of its pair")
+        err = [wire.error(Code.NOT_ACTIVE, f"{why}; try the other", **ids)]
         self.core.meters.errors[Code.NOT_ACTIVE.value] += 1
         self._do([ToShard(identity, err)] if backend else [ToClient(identity, err)])
         return False
+
+    def _acts(self, now: float) -> bool:
+        """Whether this broker of a pair acts now: active, with the votes of protocol section
+        23 for every partition it holds a counted copy of."""
+        if not self.pair.active:
+            self.quorate = False
+            return False
+        core = self.core
+        lack = quorum.lacking(now, core.settings.replicas, self.lease,
+                              ((s.last_seen, s.alive, s.partitions)
+                               for s in core.members.shards.values()),
+                              self.pair.peer_votes(now))
+        if (not lack) != self.quorate:
+            if lack:
+                log.warning("broker pair: %d partitions lack a majority of their voters "
+                            "(first %d): acting for none until they have it", len(lack),
+                            lack[0])
+            else:
+                log.warning("broker pair: every partition has a majority of its voters: "
+                            "acting")
+        self.quorate = not lack
+        return self.quorate
 
     def _took_over(self, epoch: int, shard) -> None:
         core, now = self.core, self.clock()
@@ -452,7 +480,9 @@ class BrokerServer:
                 if self.frontend in events:
                     self._drain(self.frontend, self.on_frontend, DRAIN_MAX)
                 now = self.clock()
-                if self.core.has_flushable():
+                # a pair's broker judges its votes again before batches go out: a REGISTER
+                # (or the end of a young broker's recovery) may have placed copies since
+                if self.core.has_flushable() and (self.pair is None or self._acts(now)):
                     # Work a shard could take now. (Entries waiting on a shard without credit
                     # do not count: the loop sleeps in poll until an APPLIED returns credit.)
                     if first_pending is None:
@@ -481,8 +511,12 @@ class BrokerServer:
                         self.handshakes.drain(self.core.errors)
                     if self.pair is not None:
                         self._pair_tick(now)
-                    if self.pair is None or self.pair.active:   # a standby serves nobody
+                    if self.pair is None or self._acts(now):   # a standby serves nobody
                         self._do(self.handlers.on_tick(now))
+                        if self.pair is not None:    # the tick may have placed copies
+                            self._acts(now)
+                    elif self.pair.active:      # without the votes: heard by its shards only
+                        self._pulse()
                     self.shm_io.tick(now)
                     if self.on_metrics is not None:
                         self.on_metrics(self.core.metrics(now))

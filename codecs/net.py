@@ -13,7 +13,7 @@ import numpy as np
 import zmq
 
 from . import cores, security, timing, wire
-from .errors import Code, GradbusError
+from .errors import BrokerUnavailableError, Code, GradbusError
 
 DEFAULT_BROKER = "tcp://127.0.0.1:5555"
 # poll event bits as plain ints, for loops that test them every turn: zmq's are IntFlags, and
@@ -154,6 +154,17 @@ def _ask(s: zmq.Socket, watch: security.HandshakeWatch, msg, end: float, stop=No
             return None
 
 
+def what_to_check(urls: list) -> str:
+    """What a user whose broker does not answer should check, for the message that says so."""
+    where = ("the URL (--broker, or $GRADBUS_BROKER where none is given) and that a broker "
+             "runs there, reachable from this host")
+    if len(urls) > 1:
+        return (f"check {where}; of a broker pair, that one of its two brokers is up and on "
+                f"this side of the network, and that the list names both")
+    return (f"check {where}; of a broker pair, name both brokers' addresses, comma-separated "
+            f"(the other may be the active one)")
+
+
 def hello(ctx: zmq.Context, broker_url: str, role: str, timeout: float,
           configure=None, curve: security.Curve | None = None, stop=None) -> dict:
     """Ask the broker for its ports. Retries with back-off until ``timeout`` seconds pass.
@@ -212,7 +223,8 @@ def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: floa
                     f"no active broker at {','.join(urls)} within {timeout:.1f}s: "
                     f"{', '.join(sorted(standby))} answered as the standby (a pair serves once "
                     f"a shard has registered with one of them)", Code.NOT_ACTIVE)
-            raise GradbusError(f"no broker answered at {','.join(urls)} within {timeout:.1f}s")
+            raise BrokerUnavailableError(f"no broker answered at {','.join(urls)} within "
+                                         f"{timeout:.1f}s; {what_to_check(urls)}")
         i = (i + 1) % len(urls)
         if i == first % len(urls):
             rest = min(wait - (time.monotonic() - round_start), deadline - time.monotonic())

@@ -11,12 +11,12 @@ import time
 import zmq
 
 from gradbus.codecs import net, security, wire
-from gradbus.codecs.errors import Code, GradbusError, error_from
+from gradbus.codecs.errors import BrokerUnavailableError, Code, GradbusError, error_from
 
 _ids = itertools.count(1)
 
 
-class Unanswered(GradbusError):
+class Unanswered(BrokerUnavailableError):
     """No broker took the request, or none replied, in time."""
 
 
@@ -38,6 +38,8 @@ def request_all(url: str, kind: str, timeout: float = 5.0, *,
             return _request_all(one, kind, timeout, curve, fields, refused_fast=len(urls) > 1)
         except GradbusError as e:
             last = i == len(urls) - 1
+            if last and isinstance(e, Unanswered):
+                raise Unanswered(f"{e.args[0]}; {net.what_to_check(urls)}") from None
             if last or not (e.code == Code.NOT_ACTIVE or isinstance(e, Unanswered)):
                 raise
     raise AssertionError("unreachable")
@@ -106,8 +108,9 @@ def status(url: str, timeout: float = 5.0, curve: security.Curve | None = None) 
                         "epoch": pair.get("epoch"), "takeovers": pair.get("takeovers")})
         got.append((pair.get("role") == "active", st))
     if not got:
-        raise GradbusError(f"no broker of {url} answered: "
-                           + "; ".join(b["error"] for b in brokers))
+        raise Unanswered(f"no broker of {url} answered: "
+                         + "; ".join(b["error"] for b in brokers)
+                         + f"; {net.what_to_check(urls)}")
     st = max(got, key=lambda x: x[0])[1]
     return {**st, "brokers": brokers}
 

@@ -294,7 +294,7 @@ class Applier:
         self.stats["steps_in_one_pass"] = self.stats.get("steps_in_one_pass", 0) + 1
         return True
 
-    # -- a big block's passes split over the pass threads (see gradbus.codecs.passes) ----------------------
+    # -- a big block's passes split over the pass threads (gradbus.codecs.passes) ---------
     def _pieces(self, key: str) -> int:
         """How many pieces ``key``'s passes are cut into (1: one thread, as without a pool)."""
         return self.passes.pieces(self.store.blocks[key].held.nbytes) if self._splits else 1

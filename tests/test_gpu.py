@@ -179,31 +179,39 @@ def test_cupy_decode_values_match_the_host_bit_for_bit(gpu, chain, dtype, n):
     np.testing.assert_array_equal(got[~nan], want[~nan])
 
 
-@pytest.mark.gpu
-def test_shard_on_the_gpu_applies_coded_pushes_as_the_host_does(gpu):
-    """A ShardCore on the CuPy backend and one on numpy, fed the same batch of raw, int8, sign,
-    bf16 and sparse int8 pushes (one staleness-scaled, one NaN and refused), end equal."""
+def shard_after_coded_batch(be, n: int, opt: dict) -> np.ndarray:
+    """A ShardCore on backend ``be`` fed one batch of raw, int8, sign, bf16 and sparse int8
+    pushes (one staleness-scaled, one NaN and refused) of a zero-initialised block of ``n``
+    float32 with optimizer ``opt``: its values after, on the host."""
     from gradbus.codecs import wire
     from gradbus.codecs.partition import TensorLayout
     from gradbus.shards.core import ShardCore
-    n = 70_001
     rng = np.random.default_rng(8)
     grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
     grads[5][3] = np.nan
     chains = ["raw", "int8", "sign", "bf16", "topk:0.01|int8", "int8"]
-    encs = [wire.encode_tensor("w/0", g, c) for g, c in zip(grads, chains)]
+    encs = [wire.encode_tensor("w/0", g, c, rng=np.random.default_rng(i))   # the same codes
+            for i, (g, c) in enumerate(zip(grads, chains))]                    # each call
     entries = [{"op": "push", "i": i} for i in range(6)]
     entries[1]["w"] = 0.5
     layout = TensorLayout("w", "float32", (n,), n)
-    cores = [ShardCore("g", backend=gpu), ShardCore("h", backend=NUMPY)]
-    for sc in cores:
-        sc.handle([wire.pack(wire.BATCH, [], parts=[{"p": 0, "seq": 1, "epoch": 1, "e": [
-            {"op": "init", "key": "w/0", "layout": layout.to_wire(), "rule": {"name": "zeros"},
-             "opt": {"name": "sgd", "lr": 0.1}}]}])])
-        out = sc.handle([wire.pack(wire.BATCH, [e[0] for e in encs],
-                                   parts=[{"p": 0, "seq": 2, "epoch": 1, "e": entries}]),
-                         *[bytes(e[1]) for e in encs]])
-        res = wire.unpack_header(out[0][0], frozenset({wire.APPLIED}))["parts"][0]
-        assert [e[:2] for e in res["errors"]] == [[5, "NOT_FINITE"]]
-    got, want = (sc.backend.to_host(sc.store.blocks["w/0"].value) for sc in cores)
-    np.testing.assert_allclose(got, want, **TOL[np.float32])
+    sc = ShardCore("s", backend=be)
+    sc.handle([wire.pack(wire.BATCH, [], parts=[{"p": 0, "seq": 1, "epoch": 1, "e": [
+        {"op": "init", "key": "w/0", "layout": layout.to_wire(), "rule": {"name": "zeros"},
+         "opt": opt}]}])])
+    out = sc.handle([wire.pack(wire.BATCH, [e[0] for e in encs],
+                               parts=[{"p": 0, "seq": 2, "epoch": 1, "e": entries}]),
+                     *[bytes(e[1]) for e in encs]])
+    res = wire.unpack_header(out[0][0], frozenset({wire.APPLIED}))["parts"][0]
+    assert [e[:2] for e in res["errors"]] == [[5, "NOT_FINITE"]]
+    blk = sc.store.blocks["w/0"]
+    assert all(type(a) is type(blk.value) for a in blk.state.values() if hasattr(a, "dtype"))
+    return be.to_host(blk.value)
+
+
+@pytest.mark.gpu
+def test_shard_on_the_gpu_applies_coded_pushes_as_the_host_does(gpu):
+    """A ShardCore on the CuPy backend and one on numpy, fed the same batch, end equal."""
+    opt = {"name": "sgd", "lr": 0.1}
+    np.testing.assert_allclose(shard_after_coded_batch(gpu, 70_001, opt),
+                               shard_after_coded_batch(NUMPY, 70_001, opt), **TOL[np.float32])

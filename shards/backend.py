@@ -98,6 +98,7 @@ class NumpyBackend:
     """Host arrays: chunked numpy, or numba's fused loops for float32/float64 when ``jit``."""
 
     name = "numpy"
+    device = "cpu"            # where the arrays live (shown in status and the metrics)
     sums_in_step = False      # steps take one gradient: a batch is summed first (sum_into)
     steps_out = True          # steps take ``out`` (see the module's docstring)
     xp = np
@@ -434,6 +435,16 @@ _SCATTER_ADD = ("T value, I index, int64 n", "raw T dense",
                 "if (index >= 0 && index < n) atomicAdd(&dense[index], value);")
 
 
+def device_name(cupy, device_id: int) -> str:
+    """The CUDA device's product name ("NVIDIA H100 80GB HBM3"), or "" where it cannot be
+    read."""
+    try:
+        name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
+    except Exception:         # a driver that does not say: the device id alone
+        return ""
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+
+
 class CupyBackend:
     """CUDA device arrays; each step one fused ElementwiseKernel, launched without a host sync.
     A step given a list of up to SUM_GROUP gradients (``sums_in_step``) sums them in the same
@@ -455,6 +466,9 @@ class CupyBackend:
         if devices == 0:
             raise BackendError("the cupy backend needs a CUDA device; none is visible")
         self.xp = cupy
+        dev = cupy.cuda.Device()
+        self.device_id = dev.id
+        self.device = f"cuda:{dev.id} {device_name(cupy, dev.id)}".strip()
 
         def kernel(name, src):
             return cupy.ElementwiseKernel(*src, name=f"gradbus_{name}")

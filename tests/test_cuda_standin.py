@@ -12,9 +12,10 @@ import pytest
 import gradbus
 from gradbus.codecs import device, tensor
 from gradbus.shards import backend
+from gradbus.shards.core import ShardCore
 
 from . import fake_cuda
-from .rigs import NUMPY, SPECS, backend_steps, data
+from .rigs import NUMPY, SPECS, backend_steps, data, wait_for
 from .test_device_codec import DETERMINISTIC, _gradient
 from .test_gpu import coded, shard_after_coded_batch
 
@@ -122,6 +123,22 @@ def test_cluster_on_cupy_shards_gives_the_known_answer(gpu, make_cluster):
         a.flush()
         b.flush()
         got = a.pull(["w"], min_version=20)["w"]
+        # status says what each shard computes on (its heartbeat's info)
+        shards = wait_for(lambda: (st := a.status()["shards"]) and all(
+            s["info"].get("backend") for s in st) and st, 10, "the shards' heartbeats")
     assert np.array_equal(got, w0 - 20 * 0.25 * 0.5)
+    assert {(s["info"]["backend"], s["info"]["device"]) for s in shards} == {
+        ("cupy", "cuda:0 fake-cuda (numpy)")}
     assert fake_cuda.STATE.kernels.get("gradbus_sgd", 0) + sum(
         v for k, v in fake_cuda.STATE.kernels.items() if k.startswith("gradbus_sum_sgd")) > 0
+
+
+def test_a_cupy_shard_says_its_backend_and_device(gpu, caplog):
+    """At start (its log), in its heartbeat's info and as the gradbus_shard_info metric."""
+    with caplog.at_level("INFO", logger="gradbus.shard"):
+        sc = ShardCore("s7", backend=gpu)
+    assert "s7: cupy backend on cuda:0 fake-cuda (numpy)" in caplog.messages
+    assert sc.info()["backend"] == "cupy" and sc.info()["device"] == "cuda:0 fake-cuda (numpy)"
+    kind, _, series = sc.metrics()["gradbus_shard_info"]
+    assert kind == "gauge" and series == {
+        (("backend", "cupy"), ("device", "cuda:0 fake-cuda (numpy)")): 1}

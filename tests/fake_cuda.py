@@ -38,6 +38,7 @@ MESSAGE = ("Implicit conversion to a NumPy array is not allowed. Please use `.ge
 class State:
     """What the stand-in saw since :func:`install`."""
     allocations: int = 0                  # device arrays made with fresh memory
+    sizes: list = field(default_factory=list)          # ... their sizes in bytes
     registered: list = field(default_factory=list)     # [(ptr, size)] pinned and not released
     registrations: int = 0                # hostRegister calls
     syncs: int = 0                        # torch.cuda streams synchronized
@@ -62,6 +63,7 @@ def _wrap(x):
     if isinstance(x, np.ndarray):
         if x.flags.owndata:
             STATE.allocations += 1
+            STATE.sizes.append(x.nbytes)
         return ndarray(x)
     if isinstance(x, np.generic):                 # CuPy reductions give 0-d arrays
         return _wrap(np.asarray(x))
@@ -102,7 +104,7 @@ class ndarray(NDArrayOperatorsMixin):
     def data(self):
         return types.SimpleNamespace(ptr=self._a.ctypes.data)
 
-    def get(self, stream=None, out=None):
+    def get(self, stream=None, order="C", out=None, blocking=True):
         if out is None:
             return self._a.copy()
         np.copyto(out, self._a)
@@ -196,7 +198,7 @@ def ascontiguousarray(a, dtype=None):
 
 def asnumpy(a, stream=None, out=None):
     if type(a) is ndarray:
-        return a.get(stream, out)
+        return a.get(stream, out=out)
     return np.asarray(a)
 
 
@@ -285,13 +287,22 @@ def _k_sign(bits, s, block, out):
     out[...] = np.where(neg.astype(bool), -v, v).astype(out.dtype)
 
 
+def _k_fp16(h, out):
+    out[...] = h.astype(out.dtype)
+
+
+def _k_bf16(b, out):
+    out[...] = (b.astype(np.uint32) << 16).view(np.float32).astype(out.dtype)
+
+
 def _k_scatter_add(value, index, n, dense):
     ok = (index >= 0) & (index < n)
     np.add.at(dense, index[ok], value[ok])
 
 
 _KERNELS = {"sgd": _k_sgd, "momentum": _k_momentum, "adam": _k_adam, "adagrad": _k_adagrad,
-            "sum": _k_sum, "int8": _k_int8, "sign": _k_sign, "scatter_add": _k_scatter_add}
+            "sum": _k_sum, "int8": _k_int8, "sign": _k_sign, "scatter_add": _k_scatter_add,
+            "fp16": _k_fp16, "bf16": _k_bf16}
 _KERNELS.update({f"sum_{n}": _summing(_KERNELS[n]) for n in ("sgd", "momentum", "adam",
                                                                 "adagrad")})
 

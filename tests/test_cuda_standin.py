@@ -10,14 +10,23 @@ import numpy as np
 import pytest
 
 import gradbus
-from gradbus.codecs import device, tensor
+from gradbus.codecs import device, shm, tensor, wire
+from gradbus.codecs.partition import TensorLayout
 from gradbus.shards import backend
 from gradbus.shards.core import ShardCore
 
 from . import fake_cuda
-from .rigs import NUMPY, SPECS, backend_steps, data, wait_for
-from .test_device_codec import DETERMINISTIC, _gradient
-from .test_gpu import coded, shard_after_coded_batch
+from .rigs import (
+    DETERMINISTIC,
+    NUMPY,
+    SPECS,
+    backend_steps,
+    coded,
+    data,
+    device_gradient,
+    shard_after_coded_batch,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -88,7 +97,7 @@ def test_cupy_decode_values_are_the_host_decoders(gpu, chain, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("chain", DETERMINISTIC)
 def test_device_codec_on_cupy_arrays_gives_the_host_frames(cp, chain, dtype):
-    x = _gradient(dtype=dtype)
+    x = device_gradient(dtype=dtype)
     before = device.device_fallbacks
     a1, b1, d1 = tensor.encode(x, chain, want_decoded=True)
     a2, b2, d2 = device.encode(cp.asarray(x), chain, want_decoded=True)
@@ -142,3 +151,76 @@ def test_a_cupy_shard_says_its_backend_and_device(gpu, caplog):
     kind, _, series = sc.metrics()["gradbus_shard_info"]
     assert kind == "gauge" and series == {
         (("backend", "cupy"), ("device", "cuda:0 fake-cuda (numpy)")): 1}
+
+
+# -- the GPU shard's transfers (shards/transfers.py), on the stand-in ------------------------------
+def _batch(seq: int, grads: list, chains: list) -> list:
+    encs = [wire.encode_tensor("w/0", g, c) for g, c in zip(grads, chains)]
+    return [wire.pack(wire.BATCH, [e[0] for e in encs], parts=[
+        {"p": 0, "seq": seq, "epoch": 1, "e": [{"op": "push", "i": i} for i in range(len(encs))]}]),
+        *[bytes(e[1]) for e in encs]]
+
+
+def test_a_cupy_shard_reuses_its_slots_and_publishes_into_its_pinned_board(gpu, shm_dir):
+    """Batches of raw, bf16 and fp16 pushes (frames: staged through pinned slots) on a CuPy
+    shard with a weights board: after the first batch, no device array of a gradient's size
+    is allocated (the only ones left are the 0-d sums of the finiteness check); the board
+    (pinned) holds each published version, equal to the device's values; and the weights
+    are numpy's, bit for bit (SGD on the same sums in the same order)."""
+    n, chains = 5000, ["raw", "bf16", "fp16"]
+    layout = TensorLayout("w", "float32", (n,), n)
+    init = wire.pack(wire.BATCH, [], parts=[{"p": 0, "seq": 1, "epoch": 1, "e": [
+        {"op": "init", "key": "w/0", "layout": layout.to_wire(), "rule": {"name": "zeros"},
+         "opt": {"name": "sgd", "lr": 0.25}}]}])
+    rng = np.random.default_rng(3)
+    batches = [[rng.standard_normal(n).astype(np.float32) for _ in chains] for _ in range(3)]
+    cores = [ShardCore("g", backend=gpu), ShardCore("h", backend=NUMPY)]
+    board = shm.Board(shm.cluster_tag("127.0.0.1:1"))
+    try:
+        cores[0].publisher.board = board
+        for sc in cores:
+            sc.handle([init])
+        sizes = []
+        for seq, grads in enumerate(batches, start=2):
+            before = len(fake_cuda.STATE.sizes)
+            for sc in cores:
+                sc.handle(_batch(seq, grads, chains))
+            sizes.append(fake_cuda.STATE.sizes[before:])
+            blk = cores[0].store.blocks["w/0"]
+            view, _ = board.newest("w/0")
+            assert board.holds("w/0", blk.version)
+            assert np.array_equal(np.frombuffer(view, np.float32), gpu.to_host(blk.value))
+        assert max(sizes[0]) >= n * 4                     # the first batch made its slots
+        assert max(max(s) for s in sizes[1:]) <= 8        # later ones: nothing but 0-d sums
+        ptr = np.frombuffer(board.arenas[0].seg.view, np.uint8).ctypes.data
+        assert ptr in {p for p, _ in fake_cuda.STATE.registered}
+        assert gpu.io.stats["uploads_staged"] == 3 * len(chains)
+        got, want = (sc.backend.to_host(sc.store.blocks["w/0"].value) for sc in cores)
+        assert np.array_equal(got, want)
+    finally:
+        cores[0].publisher.board = None
+        gpu.pins.unpin(board.arenas[0].seg.view)
+        board.close()
+        gpu.close()
+    assert fake_cuda.STATE.registered == []
+
+
+def test_cupy_shards_pin_the_rings_they_read_and_copy_from_them_unstaged(gpu, make_cluster):
+    """Raw pushes through clients' shared-memory rings: each shard pins every ring segment it
+    maps (read-only) and uploads from it without staging; all of it unpinned once the
+    cluster stopped. Known answer: w0 - 8 * lr * g."""
+    cluster = make_cluster(1, processes=False)
+    w0, g = np.zeros(4096, np.float32), np.full(4096, 0.5, np.float32)
+    with gradbus.connect(cluster.url) as c:
+        assert c.shm is not None
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=0.25))
+        for _ in range(8):
+            c.push({"w": g}, codec="raw")
+        c.flush()
+        got = c.pull(["w"], min_version=8)["w"]
+        be = next(iter(cluster.shard_servers.values())).core.backend
+        assert be.io.stats["uploads_pinned"] == 8 and be.io.stats["uploads_staged"] == 0
+        assert be.pins.stats["pinned"] >= 2                  # a ring, the board (+ slots)
+    assert np.array_equal(got, w0 - 8 * 0.25 * 0.5)
+    cluster.stop()
+    assert fake_cuda.STATE.registered == []

@@ -9,7 +9,7 @@ import pytest
 
 from gradbus.shards import backend, optim
 
-from .rigs import NUMPY, SPECS, backend_steps, data
+from .rigs import NUMPY, SPECS, backend_steps, coded, data, shard_after_coded_batch
 
 # cupy may contract a*b + c into an FMA: agreement to rounding, not bit for bit
 TOL = {np.float32: {"rtol": 1e-5, "atol": 1e-6}, np.float64: {"rtol": 1e-12, "atol": 1e-13}}
@@ -142,19 +142,6 @@ def test_cupy_scatter_add_matches_numpy_and_skips_out_of_range(gpu, dtype, index
 
 
 # -- value decoders ------------------------------------------------------------------------------
-def coded(chain, dtype, n, seed=3):
-    """A frame's staged arrays for ``chain`` (NaN and inf included) and the host's decode."""
-    from gradbus.codecs import tensor as tcodec
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-4, 3, n)).astype(dtype)
-    x[[5, n // 2]] = [np.nan, np.inf]
-    applied, buf = tcodec.encode(x, chain)
-    idx, arrays, coder, dt, k, _ = tcodec.decode_staged(buf, applied, np.dtype(dtype).name,
-                                                        x.shape, 1 << 30)
-    return arrays, coder, dt, k, tcodec.decode(buf, applied, np.dtype(dtype).name, x.shape,
-                                                1 << 30)
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("chain", ["raw", "fp16", "bf16", "int8", "sign", "bf16|shuffle|zstd"])
 def test_numpy_decode_values_is_the_host_decoder(chain, dtype):
@@ -177,36 +164,6 @@ def test_cupy_decode_values_match_the_host_bit_for_bit(gpu, chain, dtype, n):
     nan = np.isnan(want)
     np.testing.assert_array_equal(np.isnan(got), nan)
     np.testing.assert_array_equal(got[~nan], want[~nan])
-
-
-def shard_after_coded_batch(be, n: int, opt: dict) -> np.ndarray:
-    """A ShardCore on backend ``be`` fed one batch of raw, int8, sign, bf16 and sparse int8
-    pushes (one staleness-scaled, one NaN and refused) of a zero-initialised block of ``n``
-    float32 with optimizer ``opt``: its values after, on the host."""
-    from gradbus.codecs import wire
-    from gradbus.codecs.partition import TensorLayout
-    from gradbus.shards.core import ShardCore
-    rng = np.random.default_rng(8)
-    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
-    grads[5][3] = np.nan
-    chains = ["raw", "int8", "sign", "bf16", "topk:0.01|int8", "int8"]
-    encs = [wire.encode_tensor("w/0", g, c, rng=np.random.default_rng(i))   # the same codes
-            for i, (g, c) in enumerate(zip(grads, chains))]                    # each call
-    entries = [{"op": "push", "i": i} for i in range(6)]
-    entries[1]["w"] = 0.5
-    layout = TensorLayout("w", "float32", (n,), n)
-    sc = ShardCore("s", backend=be)
-    sc.handle([wire.pack(wire.BATCH, [], parts=[{"p": 0, "seq": 1, "epoch": 1, "e": [
-        {"op": "init", "key": "w/0", "layout": layout.to_wire(), "rule": {"name": "zeros"},
-         "opt": opt}]}])])
-    out = sc.handle([wire.pack(wire.BATCH, [e[0] for e in encs],
-                               parts=[{"p": 0, "seq": 2, "epoch": 1, "e": entries}]),
-                     *[bytes(e[1]) for e in encs]])
-    res = wire.unpack_header(out[0][0], frozenset({wire.APPLIED}))["parts"][0]
-    assert [e[:2] for e in res["errors"]] == [[5, "NOT_FINITE"]]
-    blk = sc.store.blocks["w/0"]
-    assert all(type(a) is type(blk.value) for a in blk.state.values() if hasattr(a, "dtype"))
-    return be.to_host(blk.value)
 
 
 @pytest.mark.gpu

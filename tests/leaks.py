@@ -57,7 +57,8 @@ def cuda_fds() -> frozenset:
 def prime_cuda() -> frozenset:
     """Make this process's CUDA context now (once; through CuPy and, where it is imported,
     torch), between two snapshots: returns what the runtime opened (:func:`cuda_runtime_fds`),
-    empty where there is no CUDA device or no CuPy (the test stand-in is no CUDA)."""
+    empty where there is no CUDA device, or neither CuPy nor torch sees one (the test stand-in
+    is no CUDA). Where there is none it only tries once: the answer is kept."""
     if "fds" in _cuda:
         return _cuda["fds"]
     before = fds()

@@ -224,3 +224,13 @@ def test_cupy_shards_pin_the_rings_they_read_and_copy_from_them_unstaged(gpu, ma
     assert np.array_equal(got, w0 - 8 * 0.25 * 0.5)
     cluster.stop()
     assert fake_cuda.STATE.registered == []
+
+
+def test_a_cuda_backend_in_a_forked_child_refuses_its_first_batch(gpu, monkeypatch):
+    """A CUDA context does not survive a fork: a backend used in a forked child (the at-fork
+    hook marks it) fails clearly at its next batch, not inside the driver."""
+    from gradbus.shards import transfers
+    gpu.begin_batch()
+    monkeypatch.setattr(transfers, "_forked", True)
+    with pytest.raises(RuntimeError, match="forked process: shards are spawned"):
+        gpu.begin_batch()

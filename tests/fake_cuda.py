@@ -43,6 +43,7 @@ class State:
     registrations: int = 0                # hostRegister calls
     syncs: int = 0                        # torch.cuda streams synchronized
     pinned: int = 0                       # torch host buffers allocated pinned
+    pinned_allocs: int = 0                # cupy.cuda.alloc_pinned_memory calls
     kernels: dict = field(default_factory=dict)        # kernel name -> launches
 
 
@@ -368,6 +369,11 @@ def _host_unregister(ptr: int) -> None:
     raise CUDARuntimeError("cudaErrorHostMemoryNotRegistered")
 
 
+def _alloc_pinned(n: int) -> bytearray:
+    STATE.pinned_allocs += 1
+    return bytearray(n)
+
+
 def _module() -> types.ModuleType:
     mod = types.ModuleType("cupy")
     mod.__doc__ = "gradbus's test stand-in for CuPy (tests/fake_cuda.py)"
@@ -398,7 +404,7 @@ def _module() -> types.ModuleType:
         runtime=runtime, Stream=Stream, Event=Event,
         Device=lambda i=0: types.SimpleNamespace(id=i, use=lambda: None,
                                                  synchronize=lambda: None),
-        get_current_stream=lambda: Stream())
+        get_current_stream=lambda: Stream(), alloc_pinned_memory=_alloc_pinned)
     return mod
 
 

@@ -162,9 +162,9 @@ def _batch(seq: int, grads: list, chains: list) -> list:
 
 
 def test_a_cupy_shard_reuses_its_slots_and_publishes_into_its_pinned_board(gpu, shm_dir):
-    """Batches of raw, bf16 and fp16 pushes (frames: staged through pinned slots) on a CuPy
-    shard with a weights board: after the first batch, no device array of a gradient's size
-    is allocated (the only ones left are the 0-d sums of the finiteness check); the board
+    """Batches of raw, bf16 and fp16 pushes (frames: staged through pinned slots, allocated
+    once) on a CuPy shard with a weights board: after the first batch, no device array of a
+    gradient's size is allocated (the only ones left are the 0-d sums of the finiteness check); the board
     (pinned) holds each published version, equal to the device's values; and the weights
     are numpy's, bit for bit (SGD on the same sums in the same order)."""
     n, chains = 5000, ["raw", "bf16", "fp16"]
@@ -195,6 +195,7 @@ def test_a_cupy_shard_reuses_its_slots_and_publishes_into_its_pinned_board(gpu, 
         ptr = np.frombuffer(board.arenas[0].seg.view, np.uint8).ctypes.data
         assert ptr in {p for p, _ in fake_cuda.STATE.registered}
         assert gpu.io.stats["uploads_staged"] == 3 * len(chains)
+        assert fake_cuda.STATE.pinned_allocs == len(chains)     # staging slots: made once
         got, want = (sc.backend.to_host(sc.store.blocks["w/0"].value) for sc in cores)
         assert np.array_equal(got, want)
     finally:

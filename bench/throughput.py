@@ -18,8 +18,13 @@ the line gives the medians, the ratio as the median of the N ratios, and ``ratio
 With ``--curve on`` (or ``both``) the gradbus cluster runs with CurveZMQ on (keys made in a
 temporary folder) and the line says ``"curve": true``; the proxy stays plain.
 
+``--backends numpy,cupy`` runs each configuration's cluster once per shard backend
+(``GRADBUS_BACKEND`` for its shard processes), in the same run, one line each with
+``"backend"``; ``--optimizer adam`` has the workers create the tensor with Adam (default SGD).
+
 Usage: python bench/throughput.py [--quick] [--seconds S] [--sizes 64K,4M] [--codec raw]
                                   [--curve off|on|both] [--repeat N]
+                                  [--backends numpy,cupy] [--optimizer sgd|adam]
                                   [--broker-args '--shard-credit 4']
                                   [--shard-args '--weights-codec bf16']
 """
@@ -46,11 +51,13 @@ def parts(n: int, k: int) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- gradbus
-def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out, curve=False):
+def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out, curve=False,
+                    optimizer="sgd"):
     import gradbus
     n = nbytes // 4
+    opt = gradbus.Adam(lr=1e-6) if optimizer == "adam" else gradbus.SGD(lr=1e-6)
     with gradbus.connect(url, timeout=60, curve=curve) as c:
-        c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-6))
+        c.init({"w": np.zeros(n, np.float32)}, optimizer=opt)
         c.pull(["w"])                       # follow the tensor: fresh weights arrive by subscription
         g = np.random.default_rng(index).standard_normal(n).astype(np.float32)
         t0 = time.perf_counter()
@@ -69,21 +76,30 @@ def _gradbus_worker(url, index, nbytes, codec, warmup, seconds, out, curve=False
 
 
 def run_gradbus(nbytes, workers, shards, codec, warmup, seconds, broker_args=(),
-                curve_dir=None, shard_args=()) -> dict:
+                curve_dir=None, shard_args=(), backend=None, optimizer="sgd") -> dict:
     from gradbus.cluster import LocalCluster
     ctx = mp.get_context("spawn")
-    with LocalCluster(shards, port=0, broker_args=list(broker_args),
-                      shard_args=list(shard_args), curve_dir=curve_dir) as cluster:
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_gradbus_worker,
-                             args=(cluster.url, i, nbytes, codec, warmup, seconds, out,
-                                   cluster.curve or False))
-                 for i in range(workers)]
-        for p in procs:
-            p.start()
-        res = [out.get(timeout=warmup + seconds + 120) for _ in procs]
-        for p in procs:
-            p.join(60)
+    saved = os.environ.get("GRADBUS_BACKEND")
+    if backend:          # the shard processes inherit it (restarted ones too)
+        os.environ["GRADBUS_BACKEND"] = backend
+    try:
+        with LocalCluster(shards, port=0, broker_args=list(broker_args),
+                          shard_args=list(shard_args), curve_dir=curve_dir) as cluster:
+            out = ctx.Queue()
+            procs = [ctx.Process(target=_gradbus_worker,
+                                 args=(cluster.url, i, nbytes, codec, warmup, seconds, out,
+                                       cluster.curve or False, optimizer))
+                     for i in range(workers)]
+            for p in procs:
+                p.start()
+            res = [out.get(timeout=warmup + seconds + 120) for _ in procs]
+            for p in procs:
+                p.join(60)
+    finally:
+        if backend:
+            os.environ.pop("GRADBUS_BACKEND", None)
+            if saved is not None:
+                os.environ["GRADBUS_BACKEND"] = saved
     secs = max(r["seconds"] for r in res)
     pushes = sum(r["pushes"] for r in res) / secs
     return {"pushes_per_s": round(pushes, 1),
@@ -216,29 +232,37 @@ def main(argv=None) -> None:
                     "'--shard-credit 4' (the line then names them)")
     ap.add_argument("--shard-args", default="", help="extra shard flags, e.g. "
                     "'--weights-codec bf16'")
+    ap.add_argument("--backends", default="", help="comma-separated shard backends, each a "
+                    "cluster of its own in the same run (numpy,cupy); default: the environment's")
+    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd")
     a = ap.parse_args(argv)
     if a.repeat < 1:
         ap.error("--repeat must be at least 1")
     curves = {"off": [False], "on": [True], "both": [False, True]}[a.curve]
     keys = tempfile.TemporaryDirectory(prefix="gradbus-bench-keys-")
     broker_args, shard_args = a.broker_args.split(), a.shard_args.split()
-    extra = {k: v for k, v in (("broker_args", a.broker_args), ("shard_args", a.shard_args)) if v}
+    extra = {k: v for k, v in (("broker_args", a.broker_args), ("shard_args", a.shard_args),
+                               ("optimizer", a.optimizer if a.optimizer != "sgd" else ""))
+             if v}
+    backends = a.backends.split(",") if a.backends else [None]
     if a.quick:
         a.sizes, a.workers, a.shards, a.codec = "4M", "2", "1", "raw,bf16"
     for size in a.sizes.split(","):
         nbytes = SIZES[size]
         for w in map(int, a.workers.split(",")):
             for s in map(int, a.shards.split(",")):
-                runs = [(c, v) for c in a.codec.split(",") for v in curves]
+                runs = [(c, v, b) for c in a.codec.split(",") for v in curves for b in backends]
                 proxies, results = [], {run: [] for run in runs}
                 for _ in range(a.repeat):   # interleaved: both see the same drift of the machine
                     proxies.append(run_proxy(nbytes, w, s, a.warmup, a.seconds))
-                    for codec, curve in runs:
-                        results[codec, curve].append(run_gradbus(
+                    for codec, curve, be in runs:
+                        results[codec, curve, be].append(run_gradbus(
                             nbytes, w, s, codec, a.warmup, a.seconds, broker_args=broker_args,
-                            curve_dir=keys.name if curve else None, shard_args=shard_args))
-                for (codec, curve), rs in results.items():
-                    print(json.dumps(_line(size, nbytes, w, s, codec, curve, extra, rs, proxies)),
+                            curve_dir=keys.name if curve else None, shard_args=shard_args,
+                            backend=be, optimizer=a.optimizer))
+                for (codec, curve, be), rs in results.items():
+                    named = {**extra, "backend": be} if be else extra
+                    print(json.dumps(_line(size, nbytes, w, s, codec, curve, named, rs, proxies)),
                           flush=True)
 
 

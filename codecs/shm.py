@@ -259,8 +259,11 @@ class Mapper:
     """A reader's peers' segments, opened on first use, at most ``MAX_MAPPED`` kept (least
     recently used closed first). Thread safe."""
 
-    def __init__(self, limit: int = MAX_MAPPED):
+    def __init__(self, limit: int = MAX_MAPPED, on_open=None, on_close=None):
+        """``on_open(seg)`` is called with each segment once it is mapped, ``on_close(seg)``
+        before it is unmapped (a GPU shard pins and unpins them)."""
         self.limit = limit
+        self.on_open, self.on_close = on_open, on_close
         self.segs: collections.OrderedDict[str, Segment] = collections.OrderedDict()
         self.used: dict[str, float] = {}      # name -> when it was last asked for (monotonic)
         self.lock = threading.Lock()
@@ -277,14 +280,21 @@ class Mapper:
                 self.used[name] = now
                 return seg
         seg = Segment.open(name)
+        if self.on_open is not None:
+            self.on_open(seg)
         with self.lock:
             self.segs[name] = seg
             self.used[name] = now
             while len(self.segs) > self.limit:
                 old, gone = self.segs.popitem(last=False)
                 self.used.pop(old, None)
-                gone.close()
+                self._close(gone)
         return seg
+
+    def _close(self, seg: Segment) -> None:
+        if self.on_close is not None:
+            self.on_close(seg)
+        seg.close()
 
     def prune(self, idle: float) -> int:
         """Close the segments whose file is gone (their owner removed it, or it was swept)
@@ -295,7 +305,7 @@ class Mapper:
             gone = [name for name, seg in self.segs.items()
                     if now - self.used.get(name, 0.0) >= idle and not os.path.exists(seg.path)]
             for name in gone:
-                self.segs.pop(name).close()
+                self._close(self.segs.pop(name))
                 self.used.pop(name, None)
         return len(gone)
 
@@ -407,7 +417,7 @@ class Mapper:
     def close(self) -> None:
         with self.lock:
             for seg in self.segs.values():
-                seg.close()
+                self._close(seg)
             self.segs.clear()
             self.used.clear()
 

@@ -128,7 +128,7 @@ class ParameterServerModule(torch.nn.Module):
             self.client.pull(self._trainable, min_version=min_version, timeout=timeout)
             versions.update({k: max(versions[k], min_version) for k in self._trainable})
         into = {self._keys[n]: p.detach().numpy() for n, p in self._params.items()
-                if p.device.type == "cpu" and p.is_contiguous()}
+                if _is_host(p) and p.is_contiguous()}
         self._load(self.client.pull(list(self._keys.values()), timeout=timeout, out=into),
                    versions, set(into))
         return self.version
@@ -147,7 +147,7 @@ class ParameterServerModule(torch.nn.Module):
             if g.layout != torch.strided:
                 raise TypeError(f"{name}: sparse gradients are not supported")
             g = g.detach()
-            if g.device.type == "cpu":
+            if _is_host(g):
                 out[name] = g.numpy()        # a view, no copy
                 continue
             dev_view = _cupy_view(g, self.codec or self.client.codec, self.client)
@@ -176,14 +176,18 @@ class ParameterServerModule(torch.nn.Module):
         self.version = min(versions[k] for k in self._trainable or versions)
 
 
+def _is_host(t: torch.Tensor) -> bool:
+    """Whether ``t`` is in host memory (else on a device: CUDA)."""
+    return t.device.type == "cpu"
+
+
 def _cupy_view(g: torch.Tensor, chain: str, client):
     """A CuPy array on ``g``'s device memory (no copy) when the SDK can encode ``chain`` on the
     device; None otherwise (no CuPy, a value coder not done on the device, local accumulation
     on)."""
     from gradbus.codecs import device
     from gradbus.codecs import tensor as tcodec
-    if (tcodec.parse_stages(chain).coder not in device.DEVICE_CODERS
-            or client._acc_every > 1 or client._acc_threshold is not None):
+    if tcodec.parse_stages(chain).coder not in device.DEVICE_CODERS or client.accumulating:
         return None
     try:
         import cupy

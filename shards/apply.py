@@ -135,6 +135,7 @@ class Applier:
             # Re-delivery of a batch already applied: apply nothing, report success again.
             return PartApplied(p, seq, epoch, [], {}, {}, duplicate=True, publish=publish)
         pst.seq, pst.epoch = seq, max(epoch, pst.epoch)
+        self.backend.begin_batch()
         work = _Work(p, pst, publish)
         for idx, ent in enumerate(part.e):
             self._entry(idx, ent, descs, frames, work)

@@ -35,6 +35,8 @@ import numpy as np
 from gradbus.codecs import jit as codec_jit
 from gradbus.codecs import tensor as tcodec
 
+from .transfers import DeviceTransfers, HostPins
+
 CHUNK_BYTES = 256 << 10      # per array: a step's 3-5 chunks stay cached between its passes,
                              # and numpy's ~1 us per call is amortized over 64K float32
 SUM_GROUP = 8                # gradients one CuPy sum kernel reads per launch
@@ -98,9 +100,14 @@ class NumpyBackend:
     """Host arrays: chunked numpy, or numba's fused loops for float32/float64 when ``jit``."""
 
     name = "numpy"
+    device = "cpu"            # where the arrays live (shown in status and the metrics)
     sums_in_step = False      # steps take one gradient: a batch is summed first (sum_into)
     steps_out = True          # steps take ``out`` (see the module's docstring)
     xp = np
+
+    @staticmethod
+    def begin_batch() -> None:
+        """A batch part starts (a device backend reuses its transfer slots from here)."""
 
     def __init__(self, jit: bool | None = None, chunk_bytes: int = CHUNK_BYTES):
         """``jit``: use numba (None: when it imports). Compiles numba's loops here, once per
@@ -425,6 +432,8 @@ SUM_STEPS = {name: _sum_then(src) for name, src in STEPS.items()}
 # sign bits (np.packbits order, 1 = negative) as -+ their block's scale, computed in float32 as
 # the host does, then cast to T.
 _INT8 = ("int8 c, raw float32 s, int64 block", "T out", "out = (T)((float)c * s[i / block]);")
+_FP16 = ("float16 h", "T out", "out = (T)h;")           # every half is exact in float/double
+_BF16 = ("uint16 b", "T out", "out = (T)__uint_as_float(((unsigned int)b) << 16);")
 _SIGN = ("raw uint8 bits, raw float32 s, int64 block", "T out", """
     const float v = s[i / block];
     out = (T)(((bits[i >> 3] >> (7 - (i & 7))) & 1) ? -v : v);
@@ -432,6 +441,16 @@ _SIGN = ("raw uint8 bits, raw float32 s, int64 block", "T out", """
 # Indices outside [0, n) are skipped: checking them would cost a host sync.
 _SCATTER_ADD = ("T value, I index, int64 n", "raw T dense",
                 "if (index >= 0 && index < n) atomicAdd(&dense[index], value);")
+
+
+def device_name(cupy, device_id: int) -> str:
+    """The CUDA device's product name ("NVIDIA H100 80GB HBM3"), or "" where it cannot be
+    read."""
+    try:
+        name = cupy.cuda.runtime.getDeviceProperties(device_id)["name"]
+    except Exception:         # a driver that does not say: the device id alone
+        return ""
+    return name.decode(errors="replace") if isinstance(name, bytes) else str(name)
 
 
 class CupyBackend:
@@ -455,6 +474,9 @@ class CupyBackend:
         if devices == 0:
             raise BackendError("the cupy backend needs a CUDA device; none is visible")
         self.xp = cupy
+        dev = cupy.cuda.Device()
+        self.device_id = dev.id
+        self.device = f"cuda:{dev.id} {device_name(cupy, dev.id)}".strip()
 
         def kernel(name, src):
             return cupy.ElementwiseKernel(*src, name=f"gradbus_{name}")
@@ -464,6 +486,13 @@ class CupyBackend:
         self._sum_step = {name: kernel(f"sum_{name}", src) for name, src in SUM_STEPS.items()}
         self._sum, self._scatter_add = kernel("sum", _SUM), kernel("scatter_add", _SCATTER_ADD)
         self._int8, self._sign = kernel("int8", _INT8), kernel("sign", _SIGN)
+        self._fp16, self._bf16 = kernel("fp16", _FP16), kernel("bf16", _BF16)
+        self.pins = HostPins(cupy)                     # pinned once: rings, board, staging
+        self.io = DeviceTransfers(cupy, self.pins)
+
+    def begin_batch(self) -> None:
+        """A batch part starts: its gradients go into the last part's device slots."""
+        self.io.begin()
 
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype)
@@ -471,25 +500,34 @@ class CupyBackend:
     def to_host(self, a) -> np.ndarray:
         return self.xp.asnumpy(a)
 
+    def download(self, a, out: np.ndarray):
+        """Queue ``a``'s copy into host array ``out`` (pinned: the board) on the download
+        stream; returns the copy's event (see :class:`DeviceTransfers`)."""
+        return self.io.download(a, out)
+
     def decode_values(self, arrays, coder: str, dtype, k: int):
         """The values decoded on the device: only the coded bytes are copied there (int8 a
-        quarter of float32's, sign a thirty-second), then one kernel expands them."""
-        cp, dt = self.xp, np.dtype(dtype)
+        quarter of float32's, sign a thirty-second), into this batch's device slots, on the
+        upload stream, then one kernel expands them into another slot. Valid until the next
+        batch part begins (:meth:`begin_batch`)."""
         if coder == "raw":
-            return cp.asarray(arrays[0])
-        if coder == "fp16":     # every half is exact in float32/float64
-            return cp.asarray(arrays[0]).view(cp.float16).astype(dt)
-        if coder == "bf16":
-            out = cp.left_shift(cp.asarray(arrays[0]).astype(cp.uint32), 16).view(cp.float32)
-            return out if dt == np.float32 else out.astype(dt)
-        out = cp.empty(k, dt)
-        if coder == "int8":
-            self._int8(cp.asarray(arrays[1]), cp.asarray(arrays[0]), tcodec.INT8_BLOCK, out)
-        elif coder == "sign":
-            self._sign(cp.asarray(arrays[1]), cp.asarray(arrays[0]), tcodec.SIGN_BLOCK, out)
-        else:
+            return self.io.upload(arrays[0])
+        if coder not in ("fp16", "bf16", "int8", "sign"):
             raise ValueError(f"no device decoder for {coder!r}")
+        out = self.io.scratch(k, dtype)
+        if coder == "fp16":
+            self._fp16(self.io.upload(arrays[0]).view(self.xp.float16), out)
+        elif coder == "bf16":
+            self._bf16(self.io.upload(arrays[0]).view(self.xp.uint16), out)
+        else:
+            block = tcodec.INT8_BLOCK if coder == "int8" else tcodec.SIGN_BLOCK
+            (self._int8 if coder == "int8" else self._sign)(
+                self.io.upload(arrays[1]), self.io.upload(arrays[0]), block, out)
         return out
+
+    def close(self) -> None:
+        """Unpin what is still pinned."""
+        self.pins.close()
 
     def sum_into(self, out, grads):
         _check_sum(out, grads)

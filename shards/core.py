@@ -50,6 +50,7 @@ class ShardCore:
         self.shard_id = shard_id
         # Chosen (and any JIT compiled) here, before the shard's loop starts heartbeating.
         self.backend = backend or backend_mod.load()
+        log.info("%s: %s backend on %s", shard_id, self.backend.name, self.backend.device)
         # The codecs' numba loops (a batch's frames are summed with them) are built now, before
         # the shard registers: compiled inside the loop, on a cold cache, they would silence the
         # shard for seconds and the broker would declare it dead.
@@ -239,7 +240,8 @@ class ShardCore:
 
     # -- introspection -----------------------------------------------------------------------
     def info(self) -> dict:
-        return {"keys": len(self.store.blocks), "bytes": self.store.nbytes,
+        return {"backend": self.backend.name, "device": self.backend.device,
+                "keys": len(self.store.blocks), "bytes": self.store.nbytes,
                 "rows": self.store.rows, **self._row_stats(),
                 "partitions": len(self.store.partitions), **self.stats}
 
@@ -273,6 +275,10 @@ class ShardCore:
             ("shm_replies_full", "Replies to readers of shared memory sent as frames: larger "
              "than the reply area may grow ($GRADBUS_SHM_REPLY_MB)."),
             ("errors", "Messages that failed validation or handling."))}
+        m["gradbus_shard_info"] = ("gauge", "The shard's compute backend (numpy, cupy) and the "
+                                   "device its parameters live on; always 1.",
+                                   {(("backend", self.backend.name),
+                                     ("device", self.backend.device)): 1})
         m["gradbus_shard_parameter_bytes"] = stats.gauge("Bytes of parameters held.",
                                                          self.store.nbytes)
         m["gradbus_shard_table_rows"] = stats.gauge("Embedding table rows held.",

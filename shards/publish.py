@@ -36,6 +36,8 @@ class Publisher:
         self.backend = backend
         self.stats = counters          # the shard's counters (shared with the other parts)
         self._board = None             # a shm.Board to publish blocks into (the loop sets it)
+        # a device backend's copy into host memory on a stream of its own (CuPy's)
+        self._download = getattr(backend, "download", None)
         self.replies = None            # a shm.ReplyArea for replies to readers of shared memory
 
     @property
@@ -68,12 +70,16 @@ class Publisher:
             return res, []
         descs, bufs = [], []
         board, raw = self.board, self.weights_chain == "raw" and not self.delta
+        copied = (self._copy_out(board, done) if board is not None and self._download
+                  else {})
         for blk in done.changed.values():
             # the board always holds the raw weights: readers on this host read the newest
             # whenever they read (a copy into the board, not into a frame, unless the step
             # wrote them there itself)
-            if board is not None and blk.live is not None and board.holds(blk.key,
-                                                                          blk.version):
+            if blk.key in copied:
+                host, ref = copied[blk.key]
+            elif board is not None and blk.live is not None and board.holds(blk.key,
+                                                                            blk.version):
                 host, ref = blk.live, board.newest(blk.key)[1]
             else:
                 host = self.backend.to_host(blk.value)
@@ -93,6 +99,26 @@ class Publisher:
         pub = wire.pack(wire.UPDATE, descs, p=done.p, seq=done.seq, epoch=done.epoch)
         res["n"] = len(bufs)
         return res, [pub, *bufs]
+
+    def _copy_out(self, board, done: PartApplied) -> dict:
+        """A device backend's changed blocks copied from the device straight into their next
+        version on the board (pinned host memory; no host array in between): every copy queued
+        on the backend's download stream first, then each version published once the copies'
+        event completed. ``key -> (the board's bytes as an array, ref)``; a block the board
+        has no room for is left out (published as the host path does)."""
+        for arena in board.arenas:           # pinned once each (a new segment when it grew)
+            self.backend.pins.pin(arena.seg.view)
+        views, last = {}, None
+        for blk in done.changed.values():
+            dst = board.begin(blk.key, blk.held.nbytes)
+            if dst is None:
+                continue
+            host = views[blk.key] = np.frombuffer(dst, blk.held.dtype)
+            last = self._download(blk.value, host)
+        if last is not None:
+            last.synchronize()     # the copies are done: their versions may be read now
+        return {key: (host, board.commit(key, done.changed[key].version, done.seq))
+                for key, host in views.items()}
 
     def _encode_delta(self, blk, seq: int):
         """Publish the change since the block's last publish (the first publish is whole).

@@ -83,7 +83,8 @@ class ShardServer:
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None
-        self.shm = ShardShm(shmem.wanted(shm), shm_reply_bytes)
+        self.shm = ShardShm(shmem.wanted(shm), shm_reply_bytes,
+                            pins=getattr(self.core.backend, "pins", None))
         # until the broker is heard on self.sock: its handshake failures, and the time
         # (time.monotonic) by which a send on it must have gone out
         self._watch: security.HandshakeWatch | None = None
@@ -477,6 +478,8 @@ class ShardServer:
         self.core.publisher.board = None   # values stepped onto the board settle first
         self.core.close()
         self.shm.close()
+        if hasattr(self.core.backend, "close"):      # a GPU backend's pinned memory
+            self.core.backend.close()
         if self._own_ctx:
             self.ctx.term()
         if final_failed:    # not a clean stop: the process exits non-zero

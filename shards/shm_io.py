@@ -67,10 +67,15 @@ def place_reply(area, descs: list, bufs: list, stats: dict, fresh: bool = False)
 
 
 class ShardShm:
-    def __init__(self, enabled: bool, reply_bytes: int | None = None):
+    def __init__(self, enabled: bool, reply_bytes: int | None = None, pins=None):
+        """``pins``: a GPU backend's :class:`~.transfers.HostPins`: the clients' rings this
+        shard maps are pinned while mapped (its board is pinned as it publishes)."""
         self.enabled = enabled
         self.cluster: str | None = None     # the broker's offer this shard can take up
-        self.mapper = shm.Mapper()
+        self.pins = pins
+        self.mapper = shm.Mapper() if pins is None else shm.Mapper(
+            on_open=lambda seg: pins.pin(seg.view, read_only=True),
+            on_close=lambda seg: pins.unpin(seg.view))
         self.board: shm.Board | None = None
         self.replies: shm.ReplyArea | None = None
         self.reply_cap = reply_cap(reply_bytes) if enabled else 0
@@ -124,6 +129,8 @@ class ShardShm:
     def close(self) -> None:
         self.mapper.close()
         if self.board is not None:
+            for arena in self.board.arenas if self.pins is not None else ():
+                self.pins.unpin(arena.seg.view)
             self.board.close()
             self.board = None
         if self.replies is not None:

@@ -16,7 +16,7 @@ from gradbus.cluster import LocalCluster, end_processes
 from gradbus.codecs import net, security, shm
 from gradbus.shards import checkpoint
 
-from . import rigs
+from . import leaks, rigs
 from .rigs import (
     cluster_cores,
     gradbus_segments,
@@ -105,16 +105,6 @@ def _open_zmq(before_ctx, before_sock) -> list[str]:
     return out
 
 
-def _fds() -> dict[int, str]:
-    out = {}
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            out[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:      # the listing's own descriptor, closed already
-            pass
-    return out
-
-
 def _prime_shared_zmq_state() -> None:
     """Make pyzmq's process-wide state now: Context.instance() with its I/O threads, and the
     garbage-collector thread (its own context, PUSH and PULL) that a zero-copy send starts."""
@@ -135,20 +125,24 @@ _prime_shared_zmq_state()
 
 @pytest.fixture(autouse=True, scope="module")
 def no_leaked_sockets_or_fds():
+    """What a CUDA context keeps open for the life of the process is told apart by its
+    targets (tests/leaks.py): where there is a CUDA device, the first module makes the
+    context, here, between two snapshots of the descriptors (any in-process shard of
+    ``GRADBUS_BACKEND=auto`` would make it later, in the middle of a module)."""
     before_ctx = set(_made["contexts"].keys())
     before_sock = set(_made["sockets"].keys())
-    fds = _fds()
+    leaks.prime_cuda()
+    fds = leaks.fds()
     yield
 
-    def leaks():
-        now = _fds()
-        fd = [f"fd {n} -> {t}" for n, t in sorted(now.items()) if fds.get(n) != t]
+    def leaked():
+        fd = leaks.fd_leaks(fds, leaks.fds(), leaks.cuda_fds())
         return _open_zmq(before_ctx, before_sock) + fd
 
     try:
-        wait_for(lambda: not leaks(), 5.0, "sockets, contexts and descriptors to close")
+        wait_for(lambda: not leaked(), 5.0, "sockets, contexts and descriptors to close")
     except TimeoutError:
-        found = leaks()
+        found = leaked()
         if found:
             pytest.fail("leaked: " + "; ".join(found))
 

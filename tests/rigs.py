@@ -624,3 +624,62 @@ def replicas_agree(url: str, timeout: float = 60.0) -> int:
             by_p.setdefault(p, set()).add(tuple(seq_digest))
     assert by_p and all(len(v) == 1 for v in by_p.values()), by_p
     return len(by_p)
+
+
+# ---- the device paths (CuPy backend, device codec), on a GPU or the CUDA stand-in -------------
+#: chains whose device encoding gives the host codec's bytes exactly
+DETERMINISTIC = ["raw", "fp16", "bf16", "topk:0.01", "topk:0.05|bf16", "topk:0.1|fp16|zstd",
+                 "bf16|shuffle|zstd", "fp16|zstd", "topk:1|raw"]
+
+
+def device_gradient(n=5000, dtype=np.float32, seed=0):
+    """A gradient for the device codec's tests: values over many magnitudes, NaN, +-inf and
+    -0.0 among them."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * np.exp(rng.uniform(-20, 20, n))).astype(dtype)
+    x[[3, 70]] = np.nan
+    x[5], x[6], x[9] = np.inf, -np.inf, -0.0
+    return x
+
+
+def coded(chain, dtype, n, seed=3):
+    """A frame's staged arrays for ``chain`` (NaN and inf included) and the host's decode."""
+    from gradbus.codecs import tensor as tcodec
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-4, 3, n)).astype(dtype)
+    x[[5, n // 2]] = [np.nan, np.inf]
+    applied, buf = tcodec.encode(x, chain)
+    idx, arrays, coder, dt, k, _ = tcodec.decode_staged(buf, applied, np.dtype(dtype).name,
+                                                        x.shape, 1 << 30)
+    return arrays, coder, dt, k, tcodec.decode(buf, applied, np.dtype(dtype).name, x.shape,
+                                                1 << 30)
+
+
+def shard_after_coded_batch(be, n: int, opt: dict) -> np.ndarray:
+    """A ShardCore on backend ``be`` fed one batch of raw, int8, sign, bf16 and sparse int8
+    pushes (one staleness-scaled, one NaN and refused) of a zero-initialised block of ``n``
+    float32 with optimizer ``opt``: its values after, on the host."""
+    from gradbus.codecs import wire
+    from gradbus.codecs.partition import TensorLayout
+    from gradbus.shards.core import ShardCore
+    rng = np.random.default_rng(8)
+    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
+    grads[5][3] = np.nan
+    chains = ["raw", "int8", "sign", "bf16", "topk:0.01|int8", "int8"]
+    encs = [wire.encode_tensor("w/0", g, c, rng=np.random.default_rng(i))   # the same codes
+            for i, (g, c) in enumerate(zip(grads, chains))]                    # each call
+    entries = [{"op": "push", "i": i} for i in range(6)]
+    entries[1]["w"] = 0.5
+    layout = TensorLayout("w", "float32", (n,), n)
+    sc = ShardCore("s", backend=be)
+    sc.handle([wire.pack(wire.BATCH, [], parts=[{"p": 0, "seq": 1, "epoch": 1, "e": [
+        {"op": "init", "key": "w/0", "layout": layout.to_wire(), "rule": {"name": "zeros"},
+         "opt": opt}]}])])
+    out = sc.handle([wire.pack(wire.BATCH, [e[0] for e in encs],
+                               parts=[{"p": 0, "seq": 2, "epoch": 1, "e": entries}]),
+                     *[bytes(e[1]) for e in encs]])
+    res = wire.unpack_header(out[0][0], frozenset({wire.APPLIED}))["parts"][0]
+    assert [e[:2] for e in res["errors"]] == [[5, "NOT_FINITE"]]
+    blk = sc.store.blocks["w/0"]
+    assert all(type(a) is type(blk.value) for a in blk.state.values() if hasattr(a, "dtype"))
+    return be.to_host(blk.value)

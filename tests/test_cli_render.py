@@ -16,7 +16,9 @@ STATUS = {
     "errors": {"X": 2}, "replicas": 2, "under_replicated": 1, "moves_in_progress": [1],
     "draining": ["s1"],
     "shards": [{"id": "s0", "alive": True, "primary": 4, "standby": 4, "syncing": 0,
-                "bytes": 123456, "info": {"pushes_applied": 7}, "inflight": 1,
+                "bytes": 123456, "info": {"pushes_applied": 7, "backend": "cupy",
+                                           "device": "cuda:0 NVIDIA H100 80GB HBM3"},
+                "inflight": 1,
                 "last_seen_s": 0.25, "shm": True},
                {"id": "s1", "alive": False, "primary": 0, "standby": 0, "syncing": 1,
                 "bytes": 10, "info": {}, "inflight": 0, "last_seen_s": 5.0}],
@@ -46,9 +48,12 @@ def test_status_text():
         "replicas 2  under-replicated 1  failovers 1  moves 3 (1 under way)  draining s1",
         "shm      offered  freed 4  inlined 0  states 5  torn 3",
         "",
-        "SHARD           STATE    PRIMARY STANDBY SYNCING       BYTES   APPLIED  INFLIGHT    SEEN  SHM",
-        "s0              alive          4       4       0   120.6 KiB         7         1    0.2s   on",
-        "s1              DEAD           0       0       1        10 B         0         0    5.0s  off",
+        "SHARD           STATE    PRIMARY STANDBY SYNCING       BYTES   APPLIED  INFLIGHT    SEEN  SHM"
+        "  BACKEND",
+        "s0              alive          4       4       0   120.6 KiB         7         1    0.2s   on"
+        "  cupy cuda:0",
+        "s1              DEAD           0       0       1        10 B         0         0    5.0s  off"
+        "  -",
         "",
         "WORKER                                PUSHES  RATE/S STALENESS  REFUSED    SEEN  SHM",
         "w1                                         9     1.5       0.5        1    0.1s   on",
@@ -72,7 +77,8 @@ def test_status_text_of_a_quiet_cluster_has_no_tables_and_no_extras():
         "replicas 2  under-replicated 1  failovers 0  moves 0",
         "shm      off  freed 0  inlined 0  states 0  torn 0",
         "",
-        "SHARD           STATE    PRIMARY STANDBY SYNCING       BYTES   APPLIED  INFLIGHT    SEEN  SHM",
+        "SHARD           STATE    PRIMARY STANDBY SYNCING       BYTES   APPLIED  INFLIGHT    SEEN  SHM"
+        "  BACKEND",
         "",
         "WORKER                                PUSHES  RATE/S STALENESS  REFUSED    SEEN  SHM",
         "",

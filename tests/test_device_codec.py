@@ -8,8 +8,7 @@ import pytest
 import gradbus
 from gradbus.codecs import device, tensor
 
-DETERMINISTIC = ["raw", "fp16", "bf16", "topk:0.01", "topk:0.05|bf16", "topk:0.1|fp16|zstd",
-                 "bf16|shuffle|zstd", "fp16|zstd", "topk:1|raw"]
+from .rigs import DETERMINISTIC, device_gradient
 
 
 class _NumpyAsDevice:
@@ -41,18 +40,10 @@ def fake_device(monkeypatch):
     return host_calls
 
 
-def _gradient(n=5000, dtype=np.float32, seed=0):
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(n) * np.exp(rng.uniform(-20, 20, n))).astype(dtype)
-    x[[3, 70]] = np.nan
-    x[5], x[6], x[9] = np.inf, -np.inf, -0.0
-    return x
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("chain", DETERMINISTIC)
 def test_device_path_frames_equal_the_host_codec(chain, dtype):
-    x = _gradient(dtype=dtype)
+    x = device_gradient(dtype=dtype)
     a1, b1, d1 = tensor.encode(x, chain, want_decoded=True)
     a2, b2, d2 = device.encode(x, chain, want_decoded=True, xp=XP)
     assert a1 == a2 and bytes(memoryview(b1)) == bytes(memoryview(b2))
@@ -62,7 +53,7 @@ def test_device_path_frames_equal_the_host_codec(chain, dtype):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("chain", ["sign", "topk:0.05|sign", "sign|zstd"])
 def test_sign_on_the_device_gives_the_host_frames(chain, dtype):
-    x = _gradient(dtype=dtype)
+    x = device_gradient(dtype=dtype)
     x[4000:] = np.random.default_rng(2).standard_normal(1000)   # blocks without inf or NaN
     a1, b1, d1 = tensor.encode(x, chain, want_decoded=True)
     a2, b2, d2 = device.encode(x, chain, want_decoded=True, xp=XP)
@@ -101,7 +92,7 @@ def test_int8_on_the_device_has_the_host_scales_and_rounds_without_bias(chain):
 
 def test_int8_and_sign_stay_on_the_device(fake_device):
     before = device.device_fallbacks
-    x = _gradient().view(Dev)
+    x = device_gradient().view(Dev)
     for chain in ("int8", "sign", "topk:0.01|int8|zstd"):
         applied, buf = device.encode(x, chain)
         assert applied.startswith(chain.split("|zstd")[0])
@@ -139,7 +130,7 @@ def test_cupy_gradient_is_encoded_on_the_gpu():
         cupy.cuda.runtime.getDeviceCount()
     except Exception:
         pytest.skip("no CUDA device")
-    x = _gradient()
+    x = device_gradient()
     for chain in DETERMINISTIC:
         a1, b1, d1 = tensor.encode(x, chain, want_decoded=True)
         a2, b2, d2 = device.encode(cupy.asarray(x), chain, want_decoded=True)

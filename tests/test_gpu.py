@@ -9,7 +9,7 @@ import pytest
 
 from gradbus.shards import backend, optim
 
-from .rigs import NUMPY, SPECS, backend_steps, data
+from .rigs import NUMPY, SPECS, backend_steps, coded, data, shard_after_coded_batch
 
 # cupy may contract a*b + c into an FMA: agreement to rounding, not bit for bit
 TOL = {np.float32: {"rtol": 1e-5, "atol": 1e-6}, np.float64: {"rtol": 1e-12, "atol": 1e-13}}
@@ -142,19 +142,6 @@ def test_cupy_scatter_add_matches_numpy_and_skips_out_of_range(gpu, dtype, index
 
 
 # -- value decoders ------------------------------------------------------------------------------
-def coded(chain, dtype, n, seed=3):
-    """A frame's staged arrays for ``chain`` (NaN and inf included) and the host's decode."""
-    from gradbus.codecs import tensor as tcodec
-    rng = np.random.default_rng(seed)
-    x = (rng.standard_normal(n) * 10.0 ** rng.integers(-4, 3, n)).astype(dtype)
-    x[[5, n // 2]] = [np.nan, np.inf]
-    applied, buf = tcodec.encode(x, chain)
-    idx, arrays, coder, dt, k, _ = tcodec.decode_staged(buf, applied, np.dtype(dtype).name,
-                                                        x.shape, 1 << 30)
-    return arrays, coder, dt, k, tcodec.decode(buf, applied, np.dtype(dtype).name, x.shape,
-                                                1 << 30)
-
-
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("chain", ["raw", "fp16", "bf16", "int8", "sign", "bf16|shuffle|zstd"])
 def test_numpy_decode_values_is_the_host_decoder(chain, dtype):
@@ -181,29 +168,7 @@ def test_cupy_decode_values_match_the_host_bit_for_bit(gpu, chain, dtype, n):
 
 @pytest.mark.gpu
 def test_shard_on_the_gpu_applies_coded_pushes_as_the_host_does(gpu):
-    """A ShardCore on the CuPy backend and one on numpy, fed the same batch of raw, int8, sign,
-    bf16 and sparse int8 pushes (one staleness-scaled, one NaN and refused), end equal."""
-    from gradbus.codecs import wire
-    from gradbus.codecs.partition import TensorLayout
-    from gradbus.shards.core import ShardCore
-    n = 70_001
-    rng = np.random.default_rng(8)
-    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(6)]
-    grads[5][3] = np.nan
-    chains = ["raw", "int8", "sign", "bf16", "topk:0.01|int8", "int8"]
-    encs = [wire.encode_tensor("w/0", g, c) for g, c in zip(grads, chains)]
-    entries = [{"op": "push", "i": i} for i in range(6)]
-    entries[1]["w"] = 0.5
-    layout = TensorLayout("w", "float32", (n,), n)
-    cores = [ShardCore("g", backend=gpu), ShardCore("h", backend=NUMPY)]
-    for sc in cores:
-        sc.handle([wire.pack(wire.BATCH, [], parts=[{"p": 0, "seq": 1, "epoch": 1, "e": [
-            {"op": "init", "key": "w/0", "layout": layout.to_wire(), "rule": {"name": "zeros"},
-             "opt": {"name": "sgd", "lr": 0.1}}]}])])
-        out = sc.handle([wire.pack(wire.BATCH, [e[0] for e in encs],
-                                   parts=[{"p": 0, "seq": 2, "epoch": 1, "e": entries}]),
-                         *[bytes(e[1]) for e in encs]])
-        res = wire.unpack_header(out[0][0], frozenset({wire.APPLIED}))["parts"][0]
-        assert [e[:2] for e in res["errors"]] == [[5, "NOT_FINITE"]]
-    got, want = (sc.backend.to_host(sc.store.blocks["w/0"].value) for sc in cores)
-    np.testing.assert_allclose(got, want, **TOL[np.float32])
+    """A ShardCore on the CuPy backend and one on numpy, fed the same batch, end equal."""
+    opt = {"name": "sgd", "lr": 0.1}
+    np.testing.assert_allclose(shard_after_coded_batch(gpu, 70_001, opt),
+                               shard_after_coded_batch(NUMPY, 70_001, opt), **TOL[np.float32])

@@ -6,7 +6,7 @@ import os
 
 import zmq
 
-from tests import conftest
+from tests import conftest, leaks
 
 
 def test_open_socket_and_context_are_named():
@@ -26,11 +26,11 @@ def test_open_socket_and_context_are_named():
 
 
 def test_open_descriptor_is_seen(tmp_path):
-    before = conftest._fds()
+    before = leaks.fds()
     fd = os.open(tmp_path / "f", os.O_CREAT | os.O_WRONLY)
     try:
-        assert conftest._fds()[fd] == str(tmp_path / "f")
+        assert leaks.fds()[fd] == str(tmp_path / "f")
         assert fd not in before or before[fd] != str(tmp_path / "f")
     finally:
         os.close(fd)
-    assert fd not in conftest._fds() or conftest._fds()[fd] != str(tmp_path / "f")
+    assert fd not in leaks.fds() or leaks.fds()[fd] != str(tmp_path / "f")

@@ -31,14 +31,17 @@ KERNELS = {**{name: (src, {"g"}) for name, src in backend.STEPS.items()},
            **{f"sum_{name}": (src, set()) for name, src in backend.SUM_STEPS.items()},
            "sum": (backend._SUM, set()), "int8": (backend._INT8, {"c"}),
            "sign": (backend._SIGN, set()), "scatter_add": (backend._SCATTER_ADD,
-                                                          {"value", "index"})}
+                                                          {"value", "index"}),
+           "fp16": (backend._FP16, {"h"}), "bf16": (backend._BF16, {"b"})}
 PRELUDE = """
 #include <cmath>
 #include <cstdint>
 #include <cstddef>
+#include <cstring>
 typedef int8_t int8; typedef uint8_t uint8; typedef int32_t int32; typedef int64_t int64;
-typedef float float32; typedef double float64;
+typedef uint16_t uint16; typedef _Float16 float16; typedef float float32; typedef double float64;
 using std::sqrt;
+static inline float __uint_as_float(unsigned int u) { float f; std::memcpy(&f, &u, 4); return f; }
 template <class A> static A atomicAdd(A* p, A v) { A old = *p; *p += v; return old; }
 """
 
@@ -170,7 +173,7 @@ def test_sum_kernel_adds_in_list_order(kernels, dtype, count, acc):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("coder", ["int8", "sign"])
+@pytest.mark.parametrize("coder", ["int8", "sign", "fp16", "bf16"])
 def test_value_decoders_are_the_host_decoders(kernels, coder, dtype):
     n = 3 * tensor.SIGN_BLOCK + 17
     a = np.random.default_rng(4).standard_normal(n).astype(dtype)
@@ -183,9 +186,11 @@ def test_value_decoders_are_the_host_decoders(kernels, coder, dtype):
     if coder == "int8":
         kernels("int8", dtype, [np.ascontiguousarray(arrays[1]), np.ascontiguousarray(arrays[0]),
                                 out], (tensor.INT8_BLOCK,))
-    else:
+    elif coder == "sign":
         kernels("sign", dtype, [np.ascontiguousarray(arrays[1]), np.ascontiguousarray(arrays[0]),
                                 out], (tensor.SIGN_BLOCK,))
+    else:                      # the codes, one uint16 each
+        kernels(coder, dtype, [np.ascontiguousarray(arrays[0]), out])
     nan = np.isnan(want)      # a NaN block: NaN either way (the sign of a NaN may differ)
     assert nan.any() and np.array_equal(np.isnan(out), nan)
     u = f"u{out.itemsize}"

@@ -52,10 +52,14 @@ def test_cluster_processes_serve_metrics_that_match_the_pushes(make_cluster):
                        10, "the shards' applied pushes")
     for m in shard_m:
         assert "gradbus_shard_apply_seconds_bucket{le=\"+Inf\"}" in m
+        assert m['gradbus_shard_info{backend="numpy",device="cpu"}'] == 1.0
     # the ops command names them too
     r = subprocess.run([sys.executable, "-m", "gradbus", "status", "--json", "--broker",
                         cluster.url], capture_output=True, text=True, timeout=60)
-    assert json.loads(r.stdout)["metrics_urls"] == urls
+    st = json.loads(r.stdout)
+    assert st["metrics_urls"] == urls
+    assert [(s["info"]["backend"], s["info"]["device"]) for s in st["shards"]] == [
+        ("numpy", "cpu")] * 2
 
 
 def test_up_gives_each_process_its_own_port():

@@ -15,6 +15,8 @@ import gradbus  # noqa: E402
 import gradbus.torch  # noqa: E402
 from gradbus.torch import ParameterServerModule  # noqa: E402
 
+from . import fake_cuda  # noqa: E402
+
 EXAMPLE = pathlib.Path(__file__).resolve().parent.parent / "examples" / "torch_digits.py"
 LR = 0.25   # powers of two: every intermediate result is exact in float32, float64 and bf16
 G = 0.5
@@ -211,6 +213,60 @@ def test_known_answer_sgd_cuda(make_cluster):
         assert p.is_cuda
         expect = w0[n] if n == "frozen" else w0[n] - n_push * LR * G
         assert np.array_equal(p.detach().cpu().numpy(), expect), n
+
+
+# -- the CUDA branches, on CPU tensors through the stand-in (tests/fake_cuda.py) -----------------
+@pytest.fixture
+def cuda_standin(monkeypatch):
+    """``gradbus.torch`` sees every tensor as device memory and CuPy as the stand-in: a
+    gradient goes to the SDK as a (stand-in) CuPy view, or through a pinned staging buffer."""
+    return fake_cuda.install(monkeypatch, torch_devices=True)
+
+
+@pytest.mark.parametrize("codec", ["raw", "bf16", "topk:1|fp16"])
+def test_known_answer_sgd_through_the_device_path(make_cluster, cuda_standin, codec):
+    """Each gradient is handed to the SDK as a CuPy view (encoded by codecs/device.py on the
+    stand-in), the streams are synchronized before the push, the weights are loaded by a copy
+    into the parameters: N pushes of G with SGD(LR) give w0 - N*LR*G exactly."""
+    cluster = make_cluster(1, processes=False)
+    model = Tiny()
+    w0 = exact_init(model)
+    n_push = 4
+    before = gradbus.codecs.device.device_fallbacks
+    with gradbus.connect(cluster.url) as client:
+        ps = ParameterServerModule(model, client, optimizer=gradbus.SGD(lr=LR), codec=codec)
+        for _ in range(n_push):
+            constant_grad_step(ps, G)
+        client.flush()
+        assert ps.sync(min_version=n_push) == n_push
+    assert fake_cuda.STATE.syncs == n_push and fake_cuda.STATE.pinned == 0
+    assert gradbus.codecs.device.device_fallbacks == before     # encoded where it lives
+    for name, w in w0.items():
+        expect = w if name == "frozen" else w - n_push * LR * G
+        assert np.array_equal(params_of(ps)[name], expect), name
+
+
+def test_known_answer_with_local_accumulation_goes_through_pinned_staging(make_cluster,
+                                                                          cuda_standin):
+    """Accumulation on: the gradients are copied into pinned host buffers, allocated once per
+    parameter and reused, and summed on the host; 6 steps sent as 3 sums of 2."""
+    cluster = make_cluster(1, processes=False)
+    model = Tiny()
+    w0 = exact_init(model)
+    with gradbus.connect(cluster.url) as client:
+        ps = ParameterServerModule(model, client, optimizer=gradbus.SGD(lr=LR))
+        client.accumulate(every=2)
+        assert client.accumulating
+        for _ in range(6):
+            constant_grad_step(ps, G)
+        client.flush()
+        ps.sync(min_version=6)
+        assert client.stats["pushes"] == 3
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert fake_cuda.STATE.pinned == len(trained)
+    for name, w in w0.items():
+        expect = w if name == "frozen" else w - 6 * LR * G
+        assert np.array_equal(params_of(ps)[name], expect), name
 
 
 def run_example(*args: str) -> dict:

@@ -179,6 +179,13 @@ class PushMethods:
         if pending:
             self._flush_accumulated()
 
+    @property
+    def accumulating(self) -> bool:
+        """Whether local accumulation is on (:meth:`accumulate` with ``every > 1`` or a
+        ``threshold``): gradients are then summed on the host, so a GPU gradient is copied
+        there whole rather than encoded where it lives."""
+        return self.pipeline.accumulating
+
     def _flush_accumulated(self) -> list[Future]:
         futs = []
         for (chain, acks), items in self.pipeline.take_all().items():

@@ -23,6 +23,15 @@ def _on(row: dict) -> str:
     return "on" if row.get("shm") else "off"
 
 
+def _backend(info: dict) -> str:
+    """A shard's BACKEND column: its compute backend, and the device unless the host's
+    ("cupy cuda:0"); "-" before its first heartbeat."""
+    name, dev = info.get("backend"), info.get("device") or ""
+    if not name:
+        return "-"
+    return name if dev in ("", "cpu") else f"{name} {dev.split(' ')[0]}"
+
+
 def status_text(st: dict, url: str) -> str:
     """``gradbus status``: a summary of a broker's status ``st`` (from ``url``), then one table
     each of shards, workers, tensors and (when there are any) embedding tables."""
@@ -47,13 +56,14 @@ def status_text(st: dict, url: str) -> str:
         f"  torn {c.get('shm_states_torn', 0) + c.get('shm_torn_inline', 0)}",
         "",
         (f"{'SHARD':<16}{'STATE':<8}{'PRIMARY':>8}{'STANDBY':>8}{'SYNCING':>8}{'BYTES':>12}"
-        f"{'APPLIED':>10}{'INFLIGHT':>10}{'SEEN':>8}{'SHM':>5}"),
+        f"{'APPLIED':>10}{'INFLIGHT':>10}{'SEEN':>8}{'SHM':>5}  BACKEND"),
     ]
     for s in st["shards"]:
         lines.append(f"{s['id']:<16}{'alive' if s['alive'] else 'DEAD':<8}{s['primary']:>8}"
                      f"{s['standby']:>8}{s['syncing']:>8}"
                      f"{fmt_bytes(s['bytes']):>12}{s['info'].get('pushes_applied', 0):>10}"
-                     f"{s['inflight']:>10}{s['last_seen_s']:>7.1f}s{_on(s):>5}")
+                     f"{s['inflight']:>10}{s['last_seen_s']:>7.1f}s{_on(s):>5}  "
+                     f"{_backend(s['info'])}")
     lines += ["", (f"{'WORKER':<34}{'PUSHES':>10}{'RATE/S':>8}{'STALENESS':>10}{'REFUSED':>9}"
                   f"{'SEEN':>8}{'SHM':>5}")]
     for w in st["workers"]:

@@ -42,9 +42,10 @@ class ShardCore:
     def __init__(self, shard_id: str, *, weights_codec: str = "raw",
                  max_tensor_bytes: int = wire.MAX_TENSOR_BYTES, nan_policy: str = "refuse",
                  backend=None, threads: int | None = 1):
-        """``threads``: the threads a big block's passes are split over (:mod:`gradbus.codecs.passes`;
-        None or 0: from the host's cores, :func:`gradbus.codecs.cores.pass_threads`), a pool
-        shared by the shards of this process; :meth:`close` gives it back."""
+        """``threads``: the threads a big block's passes are split over
+        (:mod:`gradbus.codecs.passes`; None or 0: from the host's cores,
+        :func:`gradbus.codecs.cores.pass_threads`), a pool shared by the shards of this
+        process; :meth:`close` gives it back."""
         if nan_policy not in NAN_POLICIES:
             raise ValueError(f"nan_policy must be one of {NAN_POLICIES}")
         self.shard_id = shard_id

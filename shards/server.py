@@ -322,9 +322,8 @@ class ShardServer:
         spin = 0.0       # after a turn with messages: the next ones often follow at once
         try:
             self.start()
-            log.info("%s: backend %s, %d pass thread(s), loop %s", self.shard_id,
-                     self.core.backend.name, self.core.applier.passes.threads,
-                     self.spin.describe())
+            log.info("%s: %d pass thread(s), loop %s", self.shard_id,
+                     self.core.applier.passes.threads, self.spin.describe())
             while not self.stopping.is_set():
                 if self._connection_lost():
                     continue

@@ -144,6 +144,7 @@ class Applier:
         applied = self._step_blocks(work) + work.stepped
         touched = self._queue_rows(work, rows)
         applied += sum(len(g) for g in work.rsums.values())
+        self.backend.end_batch()
         self.stats["pushes_applied"] += applied
         self.stats["pushes_refused"] += len(work.errors)
         return PartApplied(p, seq, epoch, work.errors, work.changed, touched, publish=publish)

@@ -109,6 +109,10 @@ class NumpyBackend:
     def begin_batch() -> None:
         """A batch part starts (a device backend reuses its transfer slots from here)."""
 
+    @staticmethod
+    def end_batch() -> None:
+        """A batch part was applied (a device backend's copies from its frames are done)."""
+
     def __init__(self, jit: bool | None = None, chunk_bytes: int = CHUNK_BYTES):
         """``jit``: use numba (None: when it imports). Compiles numba's loops here, once per
         process (cached on disk), so no step ever waits on a compiler."""
@@ -493,6 +497,11 @@ class CupyBackend:
     def begin_batch(self) -> None:
         """A batch part starts: its gradients go into the last part's device slots."""
         self.io.begin()
+
+    def end_batch(self) -> None:
+        """A batch part's steps are queued: its uploads are waited for, since a gradient read
+        in place from a client's ring is the client's again once the shard replies."""
+        self.io.end()
 
     def asarray(self, a, dtype=None):
         return self.xp.asarray(a, dtype)

@@ -1,6 +1,8 @@
-"""How a CuPy shard's bytes reach the GPU and come back, without an allocation or a host wait
-per push: the host memory they come from and go to is pinned once, and the device memory they
-land in is reused batch after batch.
+"""How a CuPy shard's bytes reach the GPU and come back without an allocation per push: the
+host memory they come from and go to is pinned once, and the device memory they land in is
+reused batch after batch. The host waits twice per batch part: for its uploads before the shard
+replies (a ring's bytes are read in place, and the reply gives them back to their client), and
+for a primary's copies into the board before their versions are published.
 
 * :class:`HostPins`: host ranges registered with the CUDA driver (``cudaHostRegister``) once:
   the clients' push rings a shard maps (read-only), its weights board. A copy from or to a
@@ -8,8 +10,8 @@ land in is reused batch after batch.
   frame) the bytes are first copied into a pinned slot of the shard's own.
 * :class:`DeviceTransfers`: a batch's coded gradients uploaded on their own non-blocking stream
   into device slots (kept and reused: grown only when a batch needs more than any before), the
-  compute stream made to wait for them (an event, no host sync); weights copied back on another
-  stream straight into the board, and published once that copy's event completed.
+  compute stream made to wait for them on an event; weights copied back on another stream
+  straight into the board, and published once that copy's event completed.
 
 Only a CuPy backend makes these (:class:`gradbus.shards.backend.CupyBackend`); the numpy path
 never sees them.
@@ -120,12 +122,16 @@ class DeviceTransfers:
 
     def begin(self) -> None:
         """A batch starts: its uploads reuse the last batch's slots, so they wait for what was
-        queued on the compute stream so far (that batch's steps read them), and the staging
-        slots are written by the host only once the last batch's copies out of them ended."""
+        queued on the compute stream so far (that batch's steps read them); the staging slots
+        are free (the last batch's :meth:`end` waited for the copies out of them)."""
         if forked():
             raise RuntimeError("a CUDA backend in a forked process: shards are spawned")
         self.used = [0, 0]
         self.up.wait_event(self.cp.cuda.get_current_stream().record())
+
+    def end(self) -> None:
+        """The batch's uploads done (the host waits for its last one): the memory they were
+        read from may be given back (a ring slot, to its client)."""
         if self.last_up is not None:
             self.last_up.synchronize()
 

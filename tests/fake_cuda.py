@@ -44,6 +44,7 @@ class State:
     syncs: int = 0                        # torch.cuda streams synchronized
     pinned: int = 0                       # torch host buffers allocated pinned
     pinned_allocs: int = 0                # cupy.cuda.alloc_pinned_memory calls
+    event_waits: int = 0                  # Event.synchronize calls (the host waiting)
     kernels: dict = field(default_factory=dict)        # kernel name -> launches
 
 
@@ -350,7 +351,7 @@ class Event:
         return self.recorded
 
     def synchronize(self) -> None:
-        pass
+        STATE.event_waits += 1
 
 
 def _host_register(ptr: int, size: int, flags: int) -> None:

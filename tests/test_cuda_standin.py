@@ -182,10 +182,12 @@ def test_a_cupy_shard_reuses_its_slots_and_publishes_into_its_pinned_board(gpu, 
             sc.handle([init])
         sizes = []
         for seq, grads in enumerate(batches, start=2):
-            before = len(fake_cuda.STATE.sizes)
+            before, waits = len(fake_cuda.STATE.sizes), fake_cuda.STATE.event_waits
             for sc in cores:
                 sc.handle(_batch(seq, grads, chains))
             sizes.append(fake_cuda.STATE.sizes[before:])
+            # the host waited twice: the uploads (before the reply), the copies into the board
+            assert fake_cuda.STATE.event_waits - waits == 2
             blk = cores[0].store.blocks["w/0"]
             view, _ = board.newest("w/0")
             assert board.holds("w/0", blk.version)

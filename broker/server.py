@@ -139,6 +139,7 @@ class BrokerServer:
                 self.close()
                 raise
             self.lease = quorum.lease(s.heartbeat_interval, s.liveness)
+            self.pair.vote_after = s.recovery_grace
             self.core.pair_status = lambda now: {**self.pair.status(now),
                                                  "quorum": self.pair.active and self.quorate}
 

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from gradbus.codecs import timing
 
+from . import quorum
+
 ACTIVE, STANDBY = "active", "standby"
 
 
@@ -54,6 +56,11 @@ class Pair:
         self.refused = 0               # registrations sent on while the peer was alive
         self.deposed: Deposed | None = None
         self.started = now
+        # the peer's vote (protocol section 23): counted while heard within ``vote_lease``,
+        # once it has stood ``vote_after`` seconds without a break
+        self.vote_lease = quorum.lease(heartbeat_interval, liveness)
+        self.vote_after = 0.0
+        self.voting_since: float | None = None
 
     # ------------------------------------------------------------------ questions
     def peer_alive(self, now: float) -> bool:
@@ -62,10 +69,16 @@ class Pair:
                 and now - self.peer_heard <= self.window)
 
     def peer_votes(self, now: float) -> bool:
-        """The peer votes for this broker (protocol section 23, :mod:`.quorum`): it is heard,
-        as the standby, naming this broker's epoch (it has heard this one active at it)."""
-        return (self.role == ACTIVE and self.peer_alive(now) and self.peer_role == STANDBY
-                and self.peer_epoch == self.epoch)
+        """The peer votes for this broker (protocol section 23, :mod:`.quorum`): heard within
+        the vote's lease, as the standby naming this broker's epoch (it has heard this one
+        active at it), without a break for ``vote_after`` seconds (so that, after a take-over
+        or a healed cut, the shards that were away register before one copy and the peer's
+        vote are enough)."""
+        if self.voting_since is not None and not (
+                self.peer_connected and now - self.peer_heard <= self.vote_lease):
+            self.voting_since = None
+        return (self.role == ACTIVE and self.voting_since is not None
+                and now - self.voting_since >= self.vote_after)
 
     @property
     def active(self) -> bool:
@@ -86,13 +99,19 @@ class Pair:
         self.peer_connected = up
         if not up:
             self.peer_heard = None
+            self.voting_since = None
 
     def peer(self, now: float, role: str, epoch: int, run: int) -> Deposed | None:
         """A PAIR from the peer. An active peer with a higher ``(epoch, run)`` than this
         active broker deposes it."""
         self.peer_connected = True
+        self.peer_votes(now)               # a vote whose lease ran out is broken
         self.peer_role, self.peer_epoch, self.peer_run = role, epoch, run
         self.peer_heard = now
+        if role != STANDBY or epoch != self.epoch:
+            self.voting_since = None
+        elif self.voting_since is None:
+            self.voting_since = now
         if role == ACTIVE and (epoch, run) > (self.epoch, self.run):
             if self.role == ACTIVE:
                 return self._depose(epoch)
@@ -120,12 +139,14 @@ class Pair:
                 self.refused += 1
                 return None
         self.role = ACTIVE
+        self.voting_since = None
         self.epoch = max(self.epoch, self.peer_epoch, seen) + 1
         self.takeovers += 1
         return self.epoch
 
     def _depose(self, epoch: int) -> Deposed:
         self.role = STANDBY
+        self.voting_since = None
         self.epoch = max(self.epoch, epoch)
         self.deposed = Deposed(self.epoch)
         return self.deposed

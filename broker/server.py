@@ -126,6 +126,7 @@ class BrokerServer:
         self.pair = self.pair_link = None
         self.deposed: Deposed | None = None     # set when the loop ended deposed
         self.quorate = False      # a pair's active broker has the votes to act (section 23)
+        self.rejudge = False      # ... to be judged again before the next batch goes out
         if peer is not None:
             if log is not None or core_kw.get("replay") is not None:
                 self.close()
@@ -142,6 +143,7 @@ class BrokerServer:
                 self.close()
                 raise
             self.lease = quorum.lease(s.heartbeat_interval, s.liveness)
+            self.pair.vote_after = s.recovery_grace
             self.core.pair_status = lambda now: {**self.pair.status(now),
                                                  "quorum": self.pair.active and self.quorate}
 
@@ -304,6 +306,8 @@ class BrokerServer:
         except (WireError, IndexError):
             return pair.active           # the core counts and answers it
         kind = h["kind"]
+        if kind in ((wire.REGISTER, wire.BYE) if backend else (wire.INIT,)):
+            self.rejudge = True       # copies placed or gone: the votes judged again
         if backend and kind == wire.ERROR and h["code"] == Code.FENCED.value \
                 and type(h.get("bepoch")) is int:
             self._deposed(pair.fenced(h["bepoch"]), f"a shard has seen epoch {h['bepoch']}")
@@ -351,7 +355,7 @@ class BrokerServer:
             else:
                 log.warning("broker pair: every partition has a majority of its voters: "
                             "acting")
-        self.quorate = not lack
+        self.quorate, self.rejudge = not lack, False
         return self.quorate
 
     def _took_over(self, epoch: int, shard) -> None:
@@ -480,9 +484,10 @@ class BrokerServer:
                 if self.frontend in events:
                     self._drain(self.frontend, self.on_frontend, DRAIN_MAX)
                 now = self.clock()
-                # a pair's broker judges its votes again before batches go out: a REGISTER
-                # (or the end of a young broker's recovery) may have placed copies since
-                if self.core.has_flushable() and (self.pair is None or self._acts(now)):
+                # a pair's broker judges its votes again before batches go out when a
+                # REGISTER or BYE may have placed copies or taken them away since the tick
+                if self.core.has_flushable() and (self.pair is None or (
+                        self._acts(now) if self.rejudge else self.quorate)):
                     # Work a shard could take now. (Entries waiting on a shard without credit
                     # do not count: the loop sleeps in poll until an APPLIED returns credit.)
                     if first_pending is None:

@@ -131,7 +131,11 @@ def metrics(core, now: float) -> dict:
                 pair["takeovers"]),
             "gradbus_broker_pair_epoch": stats.gauge(
                 "The broker epoch: this broker's while active, else the highest it knows.",
-                pair["epoch"])})
+                pair["epoch"]),
+            "gradbus_broker_pair_quorum": stats.gauge(
+                "1 while this broker of a pair acts: active, with a majority of every "
+                "partition's voters (its copies, and the peer when they are even).",
+                int(bool(pair.get("quorum"))))})
     out.update({
         "gradbus_broker_compression_ratio": stats.gauge(
             "Decoded over wire bytes of all pushes so far.", dec_b / wire_b if wire_b else 1.0),

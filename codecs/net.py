@@ -222,7 +222,9 @@ def hello_any(ctx: zmq.Context, urls: list, first: int, role: str, timeout: floa
                 raise GradbusError(
                     f"no active broker at {','.join(urls)} within {timeout:.1f}s: "
                     f"{', '.join(sorted(standby))} answered as the standby (a pair serves once "
-                    f"a shard has registered with one of them)", Code.NOT_ACTIVE)
+                    f"a shard has registered with one of them), or as an active broker "
+                    f"without the votes to act (a network cut: see the broker's log)",
+                    Code.NOT_ACTIVE)
             raise BrokerUnavailableError(f"no broker answered at {','.join(urls)} within "
                                          f"{timeout:.1f}s; {what_to_check(urls)}")
         i = (i + 1) % len(urls)

@@ -68,3 +68,23 @@ def test_the_peer_votes_only_as_the_standby_naming_this_brokers_epoch():
     q.claim(0.0)
     q.peer(0.1, ACTIVE, 1, 0)                             # an active peer votes for nobody
     assert not q.peer_votes(0.1)
+
+
+def test_the_peers_vote_counts_after_standing_unbroken_and_lapses_within_the_lease():
+    """After a take-over or a healed cut the peer's vote waits ``vote_after`` (the shards that
+    were away register meanwhile: one copy and the peer are not enough at once), and a beat
+    missed past the lease (0.5 s, shorter than a shard's deadline) breaks it."""
+    p = Pair(1, heartbeat_interval=0.25, liveness=4)
+    p.vote_after = 6.0
+    p.link(True)
+    p.claim(0.0)
+    beats = [1.0 + 0.25 * i for i in range(30)]          # 1.0 .. 8.25, unbroken
+    for t in beats:
+        p.peer(t, STANDBY, 1, 2)
+        assert p.peer_votes(t) == (t >= 7.0), t
+    assert p.peer_votes(8.25 + 0.5) and not p.peer_votes(8.25 + 0.51)
+    p.peer(9.0, STANDBY, 1, 2)                           # heard again: standing from 9.0
+    assert not p.peer_votes(9.0) and not p.peer_votes(14.9 - 5.9)
+    p.peer(9.2, ACTIVE, 1, 0)                            # it claims: no vote
+    p.peer(9.4, STANDBY, 1, 2)
+    assert p.voting_since == 9.4

@@ -100,6 +100,10 @@ def test_every_broker_exports_whether_it_is_active_and_hears_its_peer():
     p.claim(0.1)
     assert gauges(core, 0.2) == (1, 0, True)             # active, its standby heard
     assert gauges(core, 5.0) == (1, 1, True)             # active, its peer silent
+    m = status.metrics(core, 5.0)
+    assert m["gradbus_broker_pair_quorum"][2][()] == 0   # no "quorum" said: not acting
+    core.pair_status = lambda now: {**p.status(now), "quorum": True}
+    assert status.metrics(core, 5.0)["gradbus_broker_pair_quorum"][2][()] == 1
 
 
 # ------------------------------------------------------------------ a shard's registration

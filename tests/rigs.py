@@ -237,6 +237,17 @@ class RepRig(Rig):
                 if p in sc.store.partitions}
 
 
+def init_one_block(sc, opt: dict, n: int) -> None:
+    """``sc`` (a shard core, the primary "p0" of partition 0) creates block ``w/0`` of ``n``
+    float32 values, uniform in [-1, 1) from seed 5, stepped by ``opt``."""
+    layout = TensorLayout("w", "float32", (n,), n * 4)
+    sc.handle([wire.pack(wire.BATCH, [], parts=[{
+        "p": 0, "seq": 1, "epoch": 1, "o": "p0",
+        "e": [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
+               "rule": {"name": "uniform", "low": -1.0, "high": 1.0, "seed": 5},
+               "opt": opt}]}])])
+
+
 def encode_blocks(layout, values):
     """``values`` cut into the layout's blocks: (descriptors, frames)."""
     descs, bufs = [], []

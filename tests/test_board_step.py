@@ -12,7 +12,7 @@ from gradbus.codecs.partition import TensorLayout
 from gradbus.shards.backend import NumpyBackend
 from gradbus.shards.store import ParameterStore
 
-from .rigs import JIT_PATHS, CheckedShard, unpack
+from .rigs import JIT_PATHS, CheckedShard, init_one_block, unpack
 
 pytestmark = pytest.mark.usefixtures("shm_dir")
 
@@ -153,12 +153,7 @@ def _batch(seq: int, grads, primary: str) -> list:
 
 
 def _init(sc, opt) -> None:
-    layout = TensorLayout("w", "float32", (N,), N * 4)
-    sc.handle([wire.pack(wire.BATCH, [], parts=[{
-        "p": 0, "seq": 1, "epoch": 1, "o": "p0",
-        "e": [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
-               "rule": {"name": "uniform", "low": -1.0, "high": 1.0, "seed": 5},
-               "opt": opt}]}])])
+    init_one_block(sc, opt, N)
 
 
 @pytest.mark.parametrize("opt", OPTS[1:3], ids=["momentum", "adam"])

@@ -12,9 +12,8 @@ import pytest
 
 from gradbus.codecs import cores, passes, shm, wire
 from gradbus.codecs.errors import Code
-from gradbus.codecs.partition import TensorLayout
 
-from .rigs import CheckedShard, unpack
+from .rigs import CheckedShard, init_one_block, unpack
 
 pytestmark = pytest.mark.usefixtures("shm_dir")
 
@@ -116,12 +115,7 @@ def board():
 
 
 def _init(sc, opt) -> None:
-    layout = TensorLayout("w", "float32", (N,), N * 4)
-    sc.handle([wire.pack(wire.BATCH, [], parts=[{
-        "p": 0, "seq": 1, "epoch": 1, "o": "p0",
-        "e": [{"op": "init", "key": "w/0", "layout": layout.to_wire(),
-               "rule": {"name": "uniform", "low": -1.0, "high": 1.0, "seed": 5},
-               "opt": opt}]}])])
+    init_one_block(sc, opt, N)
 
 
 def _batch(seq: int, grads, scales=None, bad: int | None = None, chain: str = "raw") -> list:

@@ -85,10 +85,7 @@ class BrokerServer:
         self.clock = clock
         self.on_metrics = on_metrics   # called with a metrics snapshot every tick
         self.batch_window = batch_window
-        if spin is not None and spin < 0:
-            raise ValueError("spin must be >= 0 seconds")
-        self.spin = cores.Spin(None if spin is None else round(spin * 1e6),
-                               cores.BROKER_SPIN_US)
+        self.spin = cores.Spin.from_seconds(spin, cores.BROKER_SPIN_US)
         self.log = log
         if log is not None:
             core_kw["log_fsync"] = log.fsync

@@ -154,6 +154,16 @@ class Spin:
         self._on = False
         self._next = float("-inf")
 
+    @classmethod
+    def from_seconds(cls, spin, auto_us: int) -> "Spin":
+        """A loop's spin from its ``spin`` argument: a Spin as it is, seconds (forced), or
+        None (from the host, ``auto_us`` where it has cores to spare)."""
+        if isinstance(spin, cls):
+            return spin
+        if spin is not None and spin < 0:
+            raise ValueError("spin must be >= 0 seconds")
+        return cls(None if spin is None else round(spin * 1e6), auto_us)
+
     @property
     def chosen(self) -> str:
         """``"forced"`` or ``"host"``: who decides."""
@@ -174,9 +184,10 @@ class Spin:
         if self.forced is not None:
             return (f"spin {round(self.forced * 1e6)} us (set)" if self.forced
                     else "spin off (set)")
+        load = self.load()
         return (f"spin {round(self.auto * 1e6)} us after work while the host has cores to "
-                f"spare ({self.cores} usable, load {self.load():.1f}: "
-                f"{'on' if spare(self.cores, self.load()) else 'off'} now)")
+                f"spare ({self.cores} usable, load {load:.1f}: "
+                f"{'on' if spare(self.cores, load) else 'off'} now)")
 
 
 def spin_then_block(poll, timeout: float, spin: float):

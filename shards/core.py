@@ -65,6 +65,7 @@ class ShardCore:
         self.h_apply = stats.Histogram()                     # seconds per batch message
         n = cores.pass_threads(threads) if self.backend.xp is np else 1
         self.passes = passes_mod.shared(n) if n > 1 else passes_mod.Passes(1)
+        self._closed = False
         self.applier = Applier(shard_id, self.store, self.backend, self.stats,
                                nan_policy=nan_policy, max_tensor_bytes=max_tensor_bytes,
                                passes=self.passes)
@@ -75,7 +76,7 @@ class ShardCore:
 
     def close(self) -> None:
         """Give back the pass threads (the last shard of the process ends them)."""
-        if self.passes.threads > 1 and not getattr(self, "_closed", False):
+        if self.passes.threads > 1 and not self._closed:
             self._closed = True
             passes_mod.release(self.passes)
 

@@ -77,9 +77,7 @@ class ShardServer:
         self.hb_interval = heartbeat_interval
         self.liveness = liveness
         self.apply_delay = apply_delay   # fault injection: a slow shard (seconds per message)
-        if spin is not None and spin < 0:
-            raise ValueError("spin must be >= 0 seconds")
-        self.spin = cores.Spin(None if spin is None else round(spin * 1e6), cores.SHARD_SPIN_US)
+        self.spin = cores.Spin.from_seconds(spin, cores.SHARD_SPIN_US)
         self.stopping = threading.Event()
         self.registered = threading.Event()
         self.sock = None

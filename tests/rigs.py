@@ -308,6 +308,18 @@ def backend_steps(be, name, w, grads, k):
     return st
 
 
+def steps_beside_numpy(be, name, n, dtype, k) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """The same steps of ``SPECS[name]`` on ``n`` values through backend ``be`` and through
+    numpy: ``(what, be's result on the host, numpy's)`` for the weights and each state array."""
+    w0, grads = data(n, dtype)
+    w = be.asarray(w0)
+    st = backend_steps(be, name, w, [be.asarray(g) for g in grads], k)
+    ref_w = w0.copy()
+    ref_st = backend_steps(NUMPY, name, ref_w, grads, k)
+    return [("w", be.to_host(w), ref_w),
+            *((key, be.to_host(a), ref_st[key]) for key, a in st.items())]
+
+
 def data(n, dtype, steps=3, seed=0):
     rng = np.random.default_rng(seed)
     w = rng.standard_normal(n).astype(dtype)

@@ -25,6 +25,7 @@ from .rigs import (
     data,
     device_gradient,
     shard_after_coded_batch,
+    steps_beside_numpy,
     wait_for,
 )
 
@@ -56,14 +57,9 @@ def test_the_standin_is_loaded_as_cupy_and_refuses_implicit_host_copies(gpu, cp)
 @pytest.mark.parametrize("name", SPECS)
 def test_cupy_backend_steps_are_numpys(gpu, name, dtype, k):
     """One gradient per step, and a list summed inside the step's kernel: numpy's bits."""
-    w0, grads = data(1003, dtype)
-    w = gpu.asarray(w0)
-    st = backend_steps(gpu, name, w, [gpu.asarray(g) for g in grads], k)
-    ref_w = w0.copy()
-    ref_st = backend_steps(NUMPY, name, ref_w, grads, k)
-    assert np.array_equal(gpu.to_host(w), ref_w)
-    for key, a in st.items():
-        assert np.array_equal(gpu.to_host(a), ref_st[key]), key
+    for what, got, want in steps_beside_numpy(gpu, name, 1003, dtype, k):
+        assert np.array_equal(got, want), what
+    w0, grads = data(1003, dtype)         # the batch's sum inside the step's kernel
     w = gpu.asarray(w0)
     backend_steps(gpu, name, w, [[gpu.asarray(g) for g in grads]], len(grads))
     ref_w = w0.copy()

@@ -9,7 +9,15 @@ import pytest
 
 from gradbus.shards import backend, optim
 
-from .rigs import NUMPY, SPECS, backend_steps, coded, data, shard_after_coded_batch
+from .rigs import (
+    NUMPY,
+    SPECS,
+    backend_steps,
+    coded,
+    data,
+    shard_after_coded_batch,
+    steps_beside_numpy,
+)
 
 # cupy may contract a*b + c into an FMA: agreement to rounding, not bit for bit
 TOL = {np.float32: {"rtol": 1e-5, "atol": 1e-6}, np.float64: {"rtol": 1e-12, "atol": 1e-13}}
@@ -85,14 +93,8 @@ def gpu():
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("name", SPECS)
 def test_cupy_steps_match_numpy(gpu, name, dtype, k):
-    w0, grads = data(100_003, dtype)
-    w = gpu.asarray(w0)
-    st = backend_steps(gpu, name, w, [gpu.asarray(g) for g in grads], k)
-    ref_w = w0.copy()
-    ref_st = backend_steps(NUMPY, name, ref_w, grads, k)
-    np.testing.assert_allclose(gpu.to_host(w), ref_w, **TOL[dtype])
-    for key, a in st.items():
-        np.testing.assert_allclose(gpu.to_host(a), ref_st[key], **TOL[dtype])
+    for what, got, want in steps_beside_numpy(gpu, name, 100_003, dtype, k):
+        np.testing.assert_allclose(got, want, **TOL[dtype], err_msg=what)
 
 
 @pytest.mark.gpu

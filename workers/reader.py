@@ -38,7 +38,7 @@ import time
 from concurrent import futures
 from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED
 
-from gradbus.codecs import hops
+from gradbus.codecs import cores, hops
 
 LEND = 0.005            # seconds the link stays lent after the last caller left it
 AGENT_TICK = 0.05       # seconds the agent sleeps at most while the link is lent
@@ -91,10 +91,8 @@ class LinkReader:
     def __init__(self, agent, spin=0.0):
         """``spin``: seconds a caller polls the link before it sleeps, or a
         :class:`gradbus.codecs.cores.Spin` that says how long each time."""
-        if not hasattr(spin, "seconds") and spin < 0:
-            raise ValueError("spin must be >= 0")
         self.agent = agent
-        self.spin = spin
+        self.spin = cores.Spin.from_seconds(spin, cores.CALLER_SPIN_US)
         self.turn = threading.Lock()
         self.owner: int | None = None       # the thread holding the turn
         self.readers = 0                    # callers reading the link now
@@ -203,7 +201,7 @@ class LinkReader:
         me = threading.get_ident()
         if lnk is None or self.owner == me:
             return    # no link, or called from the turn itself (a done-callback)
-        spin = self.spin.seconds() if hasattr(self.spin, "seconds") else self.spin
+        spin = self.spin.seconds()
         spin_end = time.monotonic() + spin if spin else 0.0
         with self._count:
             self.readers += 1

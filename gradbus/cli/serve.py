@@ -335,12 +335,12 @@ def _layout(shards: int | None, inproc: bool) -> int:
     picked = shards or cores.local_shards(n)
     # in-process shards share the broker's one pool; shard processes divide the cores
     threads = cores.pass_threads(host_shards=1 if inproc else picked)
-    spin = cores.Spin(None, cores.BROKER_SPIN_US, cores=n)
+    load = cores.host_load()
     click.echo(f"layout: {picked} shard{'s' * (picked != 1)}"
                f"{' in the broker process' if inproc else ''} ({'set' if shards else 'from'} "
                f"{'--shards' if shards else f'{n} usable cores'}), {threads} pass "
                f"thread{'s' * (threads != 1)} {'in all' if inproc else 'each'}; loops spin "
-               f"after work: {'yes' if spin.seconds() else 'no'} (load {cores.host_load():.1f})",
+               f"after work: {'yes' if cores.spare(n, load) else 'no'} (load {load:.1f})",
                err=True)
     return picked
 

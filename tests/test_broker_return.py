@@ -48,6 +48,10 @@ class Pusher:
         while not self.stop.is_set():
             self.futures.append(self.c.push(g, acks="all"))
 
+    def waiting(self) -> int:
+        """Pushes returned to the caller and not answered yet."""
+        return sum(1 for f in list(self.futures) if not f.done())
+
     def acked(self) -> int:
         return sum(1 for f in self.futures if f.done() and f.exception() is None)
 
@@ -87,8 +91,9 @@ def test_pushes_lost_with_the_broker_go_again_when_it_returns_under_load(tmp_pat
         try:
             # every client's window in flight, held by the broker (queued or sent to a
             # stopped shard), none answered
-            wait_for(lambda: all(len(p.c.credit) == WINDOW for p in pushers), 60,
-                     "full windows")
+            # (each of those pushes returned to its caller: written, not only counted)
+            wait_for(lambda: all(len(p.c.credit) == WINDOW and p.waiting() == WINDOW
+                                 for p in pushers), 60, "full windows")
             before = [p.acked() for p in pushers]
             procs[0].kill()
             procs[0].wait(30)

@@ -406,3 +406,47 @@ def test_an_answer_read_before_its_push_was_noted_still_finds_its_future():
     assert fut.done() and fut.result() == {"kind": wire.ACK, "msg": 5, "ver": 3}
     assert not state.take()                      # noted as written: the agent sends nothing
     assert state.stats["duplicate_answers"] == 0 and not state.credit.held
+
+
+def test_a_push_noted_just_before_the_link_closed_goes_again_on_the_dealer():
+    """A user's thread notes a push and writes it on the link; the link closes (the broker
+    died) before the agent took the note from its queue. The agent takes every queued note
+    before it sends what the link carried unanswered again, so that push goes again at once,
+    not only when a resend timer or a new broker's run id comes."""
+    import threading
+
+    import zmq
+
+    from gradbus.codecs import link
+    from gradbus.workers.agent import Agent
+    from gradbus.workers.commands import SendMessage as Note
+
+    state, _ = make_state(resend=ResendTimer(3600.0, 3600.0))
+    fut: Future = Future()
+    frames = [wire.pack(wire.PUSH, [], msg=5, acks=1)]
+
+    class ClosingLink:
+        """The user's thread notes push 5 and writes it; the broker's end then closes."""
+        fd, closed, buffered, pending = -1, False, False, 0
+
+        def recv(self):
+            state.credit.take(10, 1.0, lambda: 5, lambda: None, state.stats)
+            agent.note(Note(5, frames, fut, sent=True))
+            raise link.LinkClosed("the broker's end closed")
+
+        def close(self):
+            self.closed = True
+
+    ctx = zmq.Context()
+    agent = Agent(ctx, b"c" * 16, state, threading.Lock())
+    sent = []
+    agent._send = sent.append
+    try:
+        agent._drain_link(ClosingLink(), zmq.Poller())
+    finally:
+        agent.pipe_in.close(linger=0)
+        agent.pipe_out.close(linger=0)
+        ctx.term()
+    assert state.stats["link_resends"] == 1
+    assert sent == [frames]                      # again, on the DEALER, at once
+    assert not agent.cmds and not fut.done()     # its answer is still awaited

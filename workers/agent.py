@@ -332,6 +332,9 @@ class Agent(threading.Thread):
                 poller.unregister(lnk.fd)
                 self._link_flags = 0
             lnk.close()
+            # pushes noted before they were written on it are among what it carried
+            while self.cmds:
+                self.state.command(self.cmds.popleft())
             self.state.link_lost()
         self._act()
 

@@ -36,9 +36,10 @@ import secrets
 import time
 from dataclasses import replace
 
-from gradbus.codecs import hops, messages, wire
+from gradbus.codecs import hops, messages, tier, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS, row_key, split_key, table_partitions
+from gradbus.codecs.tier import TierMap
 
 from . import status as _status
 from .acked import AckMarks
@@ -87,12 +88,18 @@ def _ids(m) -> dict:
 
 class BrokerCore:
     def __init__(self, partitions: int = DEFAULT_PARTITIONS, *, settings: Settings | None = None,
-                 replay=None, wall_clock=None, now: float = 0.0, **overrides):
+                 replay=None, wall_clock=None, now: float = 0.0, tier: TierMap | None = None,
+                 tier_index: int = 0, **overrides):
         """``overrides``: fields of :class:`~.settings.Settings`; ``replay``: a log index to
         replay (:class:`~.log.LogIndex`); ``wall_clock``: the time that row expiry counts
-        from and the log records (default ``time.time``)."""
+        from and the log records (default ``time.time``); ``tier``: the broker tier's map,
+        this broker member ``tier_index`` of it (protocol section 24)."""
         if not 1 <= partitions <= 65535:
             raise ValueError("partitions must be in 1..65535")
+        if tier is not None and (tier.partitions != partitions
+                                 or not 0 <= tier_index < len(tier.members)):
+            raise ValueError("a tier map has one owner per partition, and names this broker")
+        self.tier, self.tier_index = tier, tier_index
         self.settings = s = replace(settings or Settings(), **overrides)
         self.P = partitions
         self.now = now
@@ -261,7 +268,7 @@ class BrokerCore:
                                                   backend=self.ports["backend"],
                                                   partitions=self.P, down=self.table.down(),
                                                   hb=self.settings.heartbeat_interval,
-                                                  run=self.run, **shm,
+                                                  run=self.run, **shm, **self._tier_wire(),
                                                   **({"bepoch": self.broker_epoch}
                                                      if self.broker_epoch else {}))])]
         if kind == wire.STATUS:   # ops tools are not workers
@@ -292,6 +299,10 @@ class BrokerCore:
             if kind == wire.ROWS:
                 return self.reads.rows(client, m)
             if kind == wire.CATALOG:
+                if self.tier is not None and m.names:    # a name held elsewhere: MOVED
+                    self._check_tier(n for n in m.names
+                                     if n not in self.catalog.tensors
+                                     and n not in self.catalog.tables)
                 return [ToClient(identity, self.catalog.reply(m))]
             if kind == wire.FOLLOW:
                 self.delivery.follow(identity, m.ps)
@@ -321,6 +332,8 @@ class BrokerCore:
         if replay is not None:
             return replay
         descs = h.descs(frames, self.settings.max_tensor_bytes)
+        if self.tier is not None:
+            self._check_tier(tier.name_of(d.key) for d in descs)
         self.sequencer.rings.check(descs)         # a ring the sweep removed: nobody reads it
         routed, tensors, decoded = self.catalog.route_push(descs, frames, self.table.live_owner)
         weights, bsp = self.consistency.check(tensors, h.ver, client)
@@ -357,6 +370,9 @@ class BrokerCore:
         replay = self.settlement.replay(client, msg)
         if replay is not None:
             return replay
+        if self.tier is not None:
+            tables = h.tables if isinstance(h.tables, (list, tuple)) else ()
+            self._check_tier(getattr(t, "name", None) for t in (*h.tensors, *tables))
         plan = self.catalog.plan_init(h, frames, self.table)
         if (plan.blocks or plan.tables) and not self.members.live_shards():
             raise WireError(Code.NO_SHARDS, "no live shard to place parameters on")
@@ -387,6 +403,24 @@ class BrokerCore:
                                        reply={"created": plan.created,
                                               "existing": plan.existing}), client)
         return [Publish(self.table.message())]
+
+    # ------------------------------------------------------------------ a broker tier
+    def _tier_wire(self) -> dict:
+        """WELCOME's tier fields: the map and which member this broker is (none alone)."""
+        if self.tier is None:
+            return {}
+        return {"tier": self.tier.to_wire(), "tier_at": self.tier_index}
+
+    def _check_tier(self, names) -> None:
+        """A write names only tensors and tables this member holds, else MOVED (nothing of
+        it is kept), naming the member that holds the first one that is not."""
+        tm = self.tier
+        for name in names:
+            if isinstance(name, str) and (i := tm.owner(name)) != self.tier_index:
+                self.meters.counters["tier_moved"] += 1
+                raise WireError(Code.MOVED, f"{name!r} is held by tier member {i} "
+                                            f"({tm.url(i)}), not by this one "
+                                            f"({self.tier_index}); tier map v{tm.version}")
 
     def _admin(self, identity: bytes, h: messages.Admin, now: float) -> list:
         """Ops commands: ``rebalance``, ``drain`` (with ``shard``)."""

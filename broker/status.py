@@ -104,7 +104,14 @@ def status(core, now: float) -> dict:
             "staleness": {"count": h.count, "p50": h.quantile(0.5), "p99": h.quantile(0.99),
                           "mean": round(h.sum / h.count, 3) if h.count else None},
             "errors": dict(m.errors),
-            **({"pair": core.pair_status(now)} if core.pair_status is not None else {})}
+            **({"pair": core.pair_status(now)} if core.pair_status is not None else {}),
+            **({"tier": tier(core)} if core.tier is not None else {})}
+
+
+def tier(core) -> dict:
+    """A tier member's view: which member it is, the map's version and each member's share."""
+    tm = core.tier
+    return {"member": core.tier_index, "version": tm.version, "members": tm.describe()}
 
 
 def metrics(core, now: float) -> dict:
@@ -136,6 +143,16 @@ def metrics(core, now: float) -> dict:
                 "1 while this broker of a pair acts: active, with a majority of every "
                 "partition's voters (its copies, and the peer when they are even).",
                 int(bool(pair.get("quorum"))))})
+    if core.tier is not None:
+        out.update({
+            "gradbus_broker_tier_partitions": stats.gauge(
+                "Home partitions of the broker tier's map this member holds (the names whose "
+                "home partition they are are sequenced here).", core.tier.share(core.tier_index)),
+            "gradbus_broker_tier_map_version": stats.gauge(
+                "The version of the broker tier's map this member answers.", core.tier.version),
+            "gradbus_broker_tier_moved_total": stats.counter(
+                "Writes refused MOVED: their tensor or table is held by another tier member.",
+                c.get("tier_moved", 0))})
     out.update({
         "gradbus_broker_compression_ratio": stats.gauge(
             "Decoded over wire bytes of all pushes so far.", dec_b / wire_b if wire_b else 1.0),

@@ -46,6 +46,9 @@ class Code(str, enum.Enum):
                                            # (with frames); nothing was used
     NOT_ACTIVE = "NOT_ACTIVE"              # a standby broker of a pair: the sender tries the
                                            # next broker it knows (protocol section 23)
+    MOVED = "MOVED"                        # a broker tier member that does not hold the name:
+                                           # the message names the member that does
+                                           # (protocol section 24)
     INTERNAL = "INTERNAL"                  # a bug: the receiver failed handling a valid message
 
 
@@ -108,6 +111,13 @@ class StaleError(GradbusError):
     code = Code.STALE
 
 
+class MovedError(GradbusError):
+    """A write went to a broker tier member that does not hold its tensor or table: the
+    message names the member that does (``gradbus.connect`` to any member routes by itself)."""
+
+    code = Code.MOVED
+
+
 class ClosedError(GradbusError):
     """The client was closed."""
 
@@ -120,4 +130,6 @@ def error_from(code: str, message: str) -> GradbusError:
         return UnknownKeyError(message)
     if code == Code.STALE:
         return StaleError(message)
+    if code == Code.MOVED:
+        return MovedError(message)
     return GradbusError(message, code)

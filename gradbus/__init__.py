@@ -14,6 +14,7 @@ from gradbus.codecs.errors import (  # noqa: E402
     BrokerUnavailableError,
     ClosedError,
     GradbusError,
+    MovedError,
     SecurityError,
     ShardUnavailableError,
     StaleError,
@@ -22,9 +23,10 @@ from gradbus.codecs.errors import (  # noqa: E402
 from gradbus.codecs.security import Curve  # noqa: E402
 from gradbus.codecs.specs import FTRL, SGD, Adagrad, Adam, Constant, Normal, Uniform, Zeros  # noqa: E402
 from gradbus.workers.client import Client, connect  # noqa: E402
+from gradbus.workers.tier_client import TierClient  # noqa: E402
 
 __all__ = ["connect", "Client", "SGD", "Adam", "Adagrad", "FTRL", "Zeros", "Constant", "Normal",
            "Uniform", "GradbusError", "ShardUnavailableError", "UnknownKeyError",
            "BackPressureError", "BrokerUnavailableError", "ClosedError", "SecurityError",
-           "StaleError",
+           "StaleError", "MovedError", "TierClient",
            "Curve", "__version__"]

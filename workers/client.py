@@ -37,6 +37,7 @@ from gradbus.codecs.errors import (
     error_from,
 )
 from gradbus.codecs.partition import DEFAULT_BLOCK_BYTES, TensorLayout, block_elems_for
+from gradbus.codecs.tier import TierMap
 
 from .agent import Agent
 from .agent_state import AgentState
@@ -151,6 +152,9 @@ class Client(PushMethods, TableMethods):
             self.shm = ClientShm.offered(welcome, shmem.wanted(shm) and len(self.urls) == 1,
                                          window_bytes, self.passes)
             self.partitions = welcome["partitions"]
+            # a broker tier's member (protocol section 24): the map of who holds which name
+            self.tier_map = TierMap.from_wire(welcome["tier"]) if welcome.get("tier") else None
+            self.tier_at = int(welcome.get("tier_at") or 0)
             # weights read as frames are followed by conflated delivery (no shared memory)
             self.cache = self.pipeline.cache = WeightCache(self.partitions,
                                                            conflated=self.shm is None)
@@ -510,9 +514,15 @@ class Client(PushMethods, TableMethods):
         self.close()
 
 
-def connect(url: str | None = None, **kw) -> Client:
-    """Connect to a broker's client URL (default ``$GRADBUS_BROKER`` or tcp://127.0.0.1:5555)."""
-    return Client(url, **kw)
+def connect(url: str | None = None, **kw):
+    """Connect to a broker's client URL (default ``$GRADBUS_BROKER`` or tcp://127.0.0.1:5555).
+    A :class:`Client`; where that broker is a member of a broker tier of several, a
+    :class:`~.tier_client.TierClient` connected to every member (the same calls)."""
+    c = Client(url, **kw)
+    if c.tier_map is None or len(c.tier_map.members) == 1:
+        return c
+    from .tier_client import TierClient
+    return TierClient(c, kw)
 
 
 __all__ = ["Client", "connect", "DEFAULT_WINDOW", "DEFAULT_WINDOW_BYTES"]

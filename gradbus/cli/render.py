@@ -40,6 +40,13 @@ def status_text(st: dict, url: str) -> str:
             + (f"  epoch {b['epoch']}  takeovers {b['takeovers']}" if "epoch" in b else
                f"  ({b.get('error', '')})")
             for b in st.get("brokers", ())]
+    tier = st.get("tier")
+    if tier is not None:
+        me = tier["member"]
+        pair += [f"tier     member {me} of {len(tier['members'])}, map v{tier['version']}; home "
+                 "partitions: " + "  ".join(
+                     f"{m['member']}{'*' if m['member'] == me else ''} {m['partitions']} "
+                     f"({','.join(m['urls'])})" for m in tier["members"])]
     lines = pair + [
         f"broker   {url}  up {st['uptime_s']:.0f}s  partitions "
         f"{st['partitions_assigned']}/{st['partitions']} assigned"

@@ -25,6 +25,19 @@ from gradbus.codecs.errors import GradbusError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS
 
 
+def tier_kw(members, index, partitions: int) -> dict:
+    """The broker's tier map and place from ``--tier`` and ``--tier-index``."""
+    from gradbus.codecs.tier import TierMap
+    try:
+        tm = TierMap.spread(members, partitions)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--tier")
+    if index is None or index >= len(tm.members):
+        raise click.BadParameter(f"give this broker's place in the tier's {len(tm.members)} "
+                                 f"members (0-{len(tm.members) - 1})", param_hint="--tier-index")
+    return {"tier": tm, "tier_index": index}
+
+
 @config.config_option
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
@@ -89,12 +102,20 @@ from gradbus.codecs.partition import DEFAULT_PARTITIONS
               type=click.FloatRange(0),
               help="With --inproc-shards and --data-dir: seconds between checkpoints (0: only "
                    "on request and at a clean stop).")
+@click.option("--tier", "tier_members", multiple=True, metavar="URL[,URL]",
+              help="A broker tier (protocol section 24): every member's client URL (a pair's "
+                   "two, comma-separated), once each, in the same order on every member. "
+                   "Each member sequences the tensors and tables whose names' home "
+                   "partitions the tier's map gives it.")
+@click.option("--tier-index", default=None, type=click.IntRange(0),
+              help="With --tier: which member this broker is (0-based); a pair's two "
+                   "brokers are the same member.")
 @click.option("-v", "--verbose", count=True)
 def broker(host, port, backend_port, events_port, partitions, batch_window, spin_us, shard_credit,
            max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
            verbose, curve, metrics_port, metrics_host, log_dir, log_fsync, replay_log,
            replay_until, shm, expect_shards, peer, peer_port, inproc_shards, data_dir,
-           checkpoint_interval):
+           checkpoint_interval, tier_members, tier_index):
     """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
     with --metrics-port, 'pair: URL' with --peer)."""
     opts.setup_logging(verbose)
@@ -119,6 +140,10 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, spin
         raise click.UsageError("--data-dir is for --inproc-shards (a shard process takes "
                                "its own)")
     pair_kw = {"peer": peer, "peer_port": peer_port} if peer is not None else {}
+    if tier_members:
+        pair_kw.update(tier_kw(tier_members, tier_index, partitions))
+    elif tier_index is not None:
+        raise click.UsageError("--tier-index names this broker's place in --tier")
 
     def start(pair=None):
         return BrokerServer(host, port, backend_port=backend_port, events_port=events_port,
@@ -295,8 +320,14 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
               help="The shards run inside the broker's process (gradbus broker "
                    "--inproc-shards): a shorter round trip on one host; they fail and restart "
                    "with the broker. Not with --brokers 2 or --curve.")
+@click.option("--tier-brokers", default=1, show_default=True, type=click.IntRange(1, 16),
+              help="A broker tier of N members on this host (protocol section 24): each a "
+                   "broker (a pair with --brokers 2) with --shards shards of its own, "
+                   "sequencing the tensors and tables whose names' home partitions the tier's "
+                   "map gives it; 'ready:' names the first member, which clients follow to the "
+                   "others. Members after the first take free ports.")
 def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backend_port,
-       events_port, data_dir, shm, max_restarts, brokers, inproc):
+       events_port, data_dir, shm, max_restarts, brokers, inproc, tier_brokers):
     """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM.
 
     A process that dies is started again after a back-off: the broker on the same ports, a
@@ -316,6 +347,19 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
         raise click.UsageError("--brokers 2 runs on free backend and events ports")
     if data_dir is None:    # the shards read the setting too: up restarts them from it
         data_dir = config.resolve(config.loaded(ctx))["shard.data_dir"].value
+    if tier_brokers > 1:
+        if backend_port or events_port or metrics_port is not None or data_dir or curve_dir:
+            raise click.UsageError("--tier-brokers runs on free ports, without --curve, "
+                                   "--metrics-port or --data-dir for now")
+        from gradbus.tier_cluster import TierCluster
+        try:
+            tier = TierCluster(tier_brokers, shards, pairs=brokers == 2, host=host, port=port,
+                               partitions=partitions, quiet=False, replicas=replicas,
+                               broker_args=forward, shard_args=forward, inproc=inproc)
+        except (GradbusError, OSError, ValueError) as e:
+            raise click.ClickException(str(e))
+        _run_cluster(tier, stop, RestartPolicy(max_restarts))
+        return
     try:
         cluster = LocalCluster(shards, port=port, host=host, partitions=partitions, quiet=False,
                                replicas=replicas, broker_args=forward, shard_args=forward,

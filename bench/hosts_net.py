@@ -44,6 +44,7 @@ CLONE_NEWNET = 0x40000000
 NETNS_DIR = "/run/netns"
 QUEUE_SECONDS = 0.005       # a shaper queues up to 5 ms of its rate (a switch port's buffer)
 MIN_BURST = 128 << 10       # a token bucket passes a 64 KiB GSO packet whole
+MAX_SERVERS = 9             # server hosts at .1 to .9, workers from .11
 _UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
 
@@ -164,9 +165,13 @@ class Hosts:
     ``with`` block's end) deletes every namespace made, which removes their links."""
 
     def __init__(self, workers: int, link: str, server_link: str, delay: str = "0",
-                 server_delay: str = "0"):
+                 server_delay: str = "0", servers: int = 1):
+        """``servers``: server hosts; the first holds the switch, each other one is joined to
+        it by a link of its own shaped as the first's (``server_link``, ``server_delay``)."""
         if workers < 1:
             raise ValueError("at least one worker host")
+        if not 1 <= servers <= MAX_SERVERS:
+            raise ValueError(f"1 to {MAX_SERVERS} server hosts")
         self.link_bps, self.server_bps = parse_rate(link), parse_rate(server_link)
         self.delay, self.server_delay = parse_delay(delay), parse_delay(server_delay)
         self.server = f"{PREFIX}{os.getpid()}-s"
@@ -174,6 +179,9 @@ class Hosts:
         self.made: list[str] = []
         self.shaped: list[tuple] = []     # (namespace, interface) of every shaper
         self.server_addr = SERVER_ADDR
+        # server host k: its namespace and address (the first: the switch's host)
+        self.servers = [self.server] + [f"{PREFIX}{os.getpid()}-s{k}" for k in range(1, servers)]
+        self.server_addrs = [f"{SUBNET}.{1 + k}" for k in range(servers)]
         self._ports = itertools.count(20000)
 
     def worker_addr(self, i: int) -> str:
@@ -213,16 +221,19 @@ class Hosts:
             run(*s, "link", "set", "up1", "up")
             self._shape(self.server, SERVER_DEV, self.server_bps, self.server_delay)
             self._shape(self.server, "up1", self.server_bps, self.server_delay)
-            for i, ns in enumerate(self.workers):
+            hosts = [(ns, f"s{k}", SERVER_DEV, self.server_addrs[k], self.server_bps,
+                      self.server_delay) for k, ns in enumerate(self.servers) if k]
+            hosts += [(ns, f"w{i}", WORKER_DEV, self.worker_addr(i), self.link_bps, self.delay)
+                      for i, ns in enumerate(self.workers)]
+            for ns, port, dev, addr, bps, delay in hosts:
                 self._add_ns(ns)
-                port = f"w{i}"
-                run("ip", "link", "add", WORKER_DEV, "netns", ns, "type", "veth", "peer",
+                run("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer",
                     "name", port, "netns", self.server)
                 run(*s, "link", "set", port, "master", "br0")
                 run(*s, "link", "set", port, "up")
-                self._up(ns, WORKER_DEV, self.worker_addr(i))
-                self._shape(ns, WORKER_DEV, self.link_bps, self.delay)
-                self._shape(self.server, port, self.link_bps, self.delay)
+                self._up(ns, dev, addr)
+                self._shape(ns, dev, bps, delay)
+                self._shape(self.server, port, bps, delay)
         except BaseException:
             self.close()
             raise
@@ -282,7 +293,7 @@ class Hosts:
 
     def left(self) -> list[str]:
         """This object's namespaces that still exist."""
-        mine = {self.server, *self.workers}
+        mine = {*self.servers, *self.workers}
         return [ns for ns in namespaces() if ns in mine]
 
     def __enter__(self) -> "Hosts":

@@ -450,3 +450,31 @@ def test_a_push_noted_just_before_the_link_closed_goes_again_on_the_dealer():
     assert state.stats["link_resends"] == 1
     assert sent == [frames]                      # again, on the DEALER, at once
     assert not agent.cmds and not fut.done()     # its answer is still awaited
+
+
+def test_the_first_resend_delay_is_never_shorter_than_the_answers_take():
+    """On a link slower than the window's bytes take at the base delay, answers come every
+    7-9 s after their sends: the delay a settlement resets to follows them (smoothed plus 4 x
+    variation), so a push queued behind the others is not sent again while on its way. A
+    sample from a message sent again is never taken (Karn's rule); quick answers bring the
+    delay back to the base."""
+    t = ResendTimer(5.0, 60.0)
+    frames = [b"x"]
+    for msg, (sent, answered) in enumerate([(0.0, 8.0), (1.0, 8.0), (2.0, 11.0),
+                                            (3.0, 11.0)]):
+        t.sent(msg, frames, sent)
+    for msg, (sent, answered) in enumerate([(0.0, 8.0), (1.0, 8.0), (2.0, 11.0),
+                                            (3.0, 11.0)]):
+        t.settled(msg, answered)
+    assert 8.0 < t.delay <= 60.0 and t.srtt is not None
+    t.sent(10, frames, 20.0)
+    assert t.due(20.0 + 7.5) == []              # the base 5 s would have sent it again
+    assert t.due(20.0 + t.delay) == [frames]    # past the estimate it is
+    before = (t.srtt, t.rttvar)
+    t.settled(10, 40.0)                         # sent twice: no sample
+    assert (t.srtt, t.rttvar) == before
+    for msg in range(20, 60):                   # answers in 10 ms bring it back down
+        t.sent(msg, frames, float(msg))
+        t.settled(msg, msg + 0.01)
+    assert t.delay == 5.0
+    t.validate_state()

@@ -91,3 +91,56 @@ def test_rates_and_delays_are_read_as_tc_writes_them():
     for bad in ("soon", "2s", "1 hour"):
         with pytest.raises(ValueError):
             hosts_net.parse_delay(bad)
+
+
+TIER_CLIENT = f"""
+import json, sys
+import numpy as np
+import gradbus
+names = sys.argv[2:]
+with gradbus.connect(sys.argv[1], timeout=60, shm=False) as c:
+    c.init({{n: np.zeros({N}, np.float32) for n in names}}, optimizer=gradbus.SGD(lr=1.0))
+    g = {{n: np.full({N}, 0.25, np.float32) for n in names}}
+    for f in [c.push(g, acks=1) for _ in range({PUSHES})]:
+        f.result(60)
+    w = c.pull(names, min_version={PUSHES})
+    print(json.dumps({{n: [float(a.min()), float(a.max())] for n, a in w.items()}}))
+"""
+
+
+def test_a_tier_across_two_server_hosts_sends_each_tensor_through_its_members_link():
+    """Two server hosts, a tier member on each (bench/tier_hosts.py's brokers); a worker on a
+    third host pushes one tensor each member holds: each is applied once, and each server
+    host's link carried its member's tensor only."""
+    why = hosts_net.permitted()
+    if why:
+        pytest.skip(f"emulated hosts: {why}")
+    import tier_hosts
+
+    from gradbus.cluster import end_processes
+    from gradbus.codecs.tier import TierMap
+    hosts = hosts_net.Hosts(1, "1gbit", "1gbit", servers=2)
+    brokers = []
+    try:
+        hosts.build()
+        assert sorted(hosts.left()) == sorted([*hosts.servers, hosts.workers[0]])
+        brokers, urls = tier_hosts._start_tier(hosts, 2, subprocess.DEVNULL)
+        tm = TierMap.spread(urls, 256)
+        names = [next(f"t{i}" for i in range(99) if tm.owner(f"t{i}") == k) for k in (0, 1)]
+        links = [(hosts.servers[0], "up1"), (hosts.servers[0], "s1")]   # into each member
+        before = [hosts.qdisc_bytes(*k) for k in links]
+        done = subprocess.run(
+            [*hosts.exec_prefix(hosts.workers[0]), sys.executable, "-c", TIER_CLIENT,
+             urls[1], *names], capture_output=True, text=True, timeout=DEADLINE,
+            env={**os.environ, "GRADBUS_JIT": "0"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        res = json.loads(done.stdout.strip().splitlines()[-1])
+        assert res == {n: [-PUSHES * 0.25] * 2 for n in names}    # every push applied once
+        crossed = [hosts.qdisc_bytes(*k) - b for k, b in zip(links, before)]
+        pushed = PUSHES * 4 * N
+        # each member's tensor went in through its host's link, and not through the other's
+        assert all(pushed <= c < 2 * pushed for c in crossed), crossed
+    finally:
+        end_processes(brokers, 10)
+        hosts.close()
+    assert hosts.left() == []

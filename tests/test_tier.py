@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from concurrent import futures
 from concurrent.futures import Future
 
 import numpy as np
@@ -108,7 +109,7 @@ def test_a_joined_future_resolves_once_every_part_has_and_fails_with_the_first_f
     a.set_result({})                       # a later part changes nothing
     with pytest.raises(gradbus.StaleError):
         j.result(1)
-    with pytest.raises(TimeoutError):
+    with pytest.raises(futures.TimeoutError):
         JoinedFuture([Future()]).result(0.05)
 
 

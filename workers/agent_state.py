@@ -338,7 +338,7 @@ class AgentState:
                 # the broker at its byte cap kept nothing of it: send it again after a back-off
                 self.stats["busy_retries"] += 1
                 return False
-            resend.settled(msg)
+            resend.settled(msg, self.clock())
             if msg in self.free_later:       # the broker freed it before it answered
                 self.free_later.discard(msg)
                 self.stats["shm_freed"] += self.shm.free((msg,))

@@ -16,6 +16,13 @@ refused with BUSY (the broker at its byte cap kept nothing of it) is sent again 
 back-off: ``BUSY_RETRY`` doubled per refusal in a row, up to ``BUSY_MAX``, spread by the msg id
 so that producers refused together do not come back together; the round timer's delay is not
 reset by a BUSY (it is no settlement), so what the broker does hold is not sent again sooner.
+
+The first delay is never shorter than the answers take: each settlement of a message sent once
+is a round-trip sample, kept as a smoothed time and variation (RFC 6298's estimator, Karn's
+rule: no sample from a message sent again), and a settlement resets the delay to the larger of
+``RESEND_AFTER`` and that estimate (smoothed + 4 x variation, at most ``RESEND_MAX``). On a
+link slower than the window's bytes take at 5 s (a window of 8 MiB pushes over 100 Mbit), a
+push queued behind the others is then waited for, not sent again while it is on its way.
 """
 from __future__ import annotations
 
@@ -37,7 +44,10 @@ class ResendTimer:
             raise ValueError("resend delays must be positive, cap >= base")
         self.base, self.cap, self.recovering_after = base, cap, recovering
         self.delay = base
-        # msg -> [frames, last sent]; ordered by last sent (a resend moves it to the end)
+        self.srtt: float | None = None     # smoothed round trip of messages sent once ...
+        self.rttvar = 0.0                  # ... and its variation (RFC 6298)
+        # msg -> [frames, last sent, sent again]; ordered by last sent (a resend moves it to
+        # the end)
         self.unsettled: collections.OrderedDict = collections.OrderedDict()
         self.soon: dict[int, float] = {}   # msg -> when, refused with RECOVERING or BUSY
         self.busy: dict[int, int] = {}     # msg -> BUSY refusals in a row
@@ -50,15 +60,30 @@ class ResendTimer:
         return len(self.unsettled)
 
     def sent(self, msg: int, frames: list, now: float) -> None:
-        self.unsettled[msg] = [frames, now]
+        self.unsettled[msg] = [frames, now, False]
 
-    def settled(self, msg: int) -> None:
-        """The broker answered ``msg``: forget it, and back to the first delay."""
-        self.unsettled.pop(msg, None)
+    def settled(self, msg: int, now: float | None = None) -> None:
+        """The broker answered ``msg``: forget it, and back to the first delay (no shorter
+        than the answers take: ``now`` makes a round-trip sample of a message sent once)."""
+        ent = self.unsettled.pop(msg, None)
         self.soon.pop(msg, None)
         self.busy.pop(msg, None)
         self.recovering.discard(msg)
-        self.delay = self.base
+        if ent is not None and now is not None and not ent[2]:
+            sample = max(0.0, now - ent[1])
+            if self.srtt is None:
+                self.srtt, self.rttvar = sample, sample / 2
+            else:
+                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - sample)
+                self.srtt = 0.875 * self.srtt + 0.125 * sample
+        self.delay = self.first_delay()
+
+    def first_delay(self) -> float:
+        """The delay a settlement resets to: ``base``, or the answers' round trip with its
+        variation where that is longer (at most ``cap``)."""
+        if self.srtt is None:
+            return self.base
+        return min(self.cap, max(self.base, self.srtt + 4 * self.rttvar))
 
     def refused_recovering(self, msg: int, now: float) -> bool:
         """Send ``msg`` again shortly; False when it is not waiting (answered already)."""
@@ -84,11 +109,11 @@ class ResendTimer:
         restarted, or the local link closed); the delay starts again from the first one."""
         out = []
         for ent in self.unsettled.values():
-            ent[1] = now
+            ent[1], ent[2] = now, True
             out.append(ent[0])
         self.soon.clear()
         self.recovering.clear()
-        self.delay = self.base
+        self.delay = self.first_delay()
         return out
 
     def recovering_now(self, now: float) -> list[list]:
@@ -98,7 +123,7 @@ class ResendTimer:
         for msg in sorted(self.recovering, key=lambda m: self.unsettled[m][1]):
             del self.soon[msg]
             ent = self.unsettled[msg]
-            ent[1] = now
+            ent[1], ent[2] = now, True
             self.unsettled.move_to_end(msg)
             out.append(ent[0])
         self.recovering.clear()
@@ -120,7 +145,7 @@ class ResendTimer:
                 del self.soon[msg]
                 self.recovering.discard(msg)
                 ent = self.unsettled[msg]
-                ent[1] = now
+                ent[1], ent[2] = now, True
                 self.unsettled.move_to_end(msg)
                 out.append(ent[0])
         unsettled, limit = self.unsettled, now - self.delay
@@ -129,7 +154,7 @@ class ResendTimer:
             msg, ent = next(iter(unsettled.items()))
             if ent[1] > limit:
                 break
-            ent[1] = now
+            ent[1], ent[2] = now, True
             unsettled.move_to_end(msg)
             self.soon.pop(msg, None)
             self.recovering.discard(msg)
@@ -140,7 +165,7 @@ class ResendTimer:
         return out
 
     def validate_state(self) -> None:
-        times = [t for _, t in self.unsettled.values()]
+        times = [ent[1] for ent in self.unsettled.values()]
         assert times == sorted(times), "unsettled messages out of send order"
         assert self.soon.keys() <= self.unsettled.keys()
         assert self.busy.keys() <= self.unsettled.keys()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from concurrent import futures
 from concurrent.futures import Future
 
 from gradbus.codecs.tier import TierMap
@@ -49,7 +50,7 @@ class JoinedFuture(Future):
         for f in self.parts:
             try:
                 f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except TimeoutError:
+            except (TimeoutError, futures.TimeoutError):
                 raise
             except BaseException:
                 break       # this Future carries it

@@ -460,11 +460,10 @@ def test_the_first_resend_delay_is_never_shorter_than_the_answers_take():
     delay back to the base."""
     t = ResendTimer(5.0, 60.0)
     frames = [b"x"]
-    for msg, (sent, answered) in enumerate([(0.0, 8.0), (1.0, 8.0), (2.0, 11.0),
-                                            (3.0, 11.0)]):
+    rounds = [(0.0, 8.0), (1.0, 8.0), (2.0, 11.0), (3.0, 11.0)]   # (sent, answered)
+    for msg, (sent, _) in enumerate(rounds):
         t.sent(msg, frames, sent)
-    for msg, (sent, answered) in enumerate([(0.0, 8.0), (1.0, 8.0), (2.0, 11.0),
-                                            (3.0, 11.0)]):
+    for msg, (_, answered) in enumerate(rounds):
         t.settled(msg, answered)
     assert 8.0 < t.delay <= 60.0 and t.srtt is not None
     t.sent(10, frames, 20.0)

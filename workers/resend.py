@@ -18,8 +18,10 @@ so that producers refused together do not come back together; the round timer's 
 reset by a BUSY (it is no settlement), so what the broker does hold is not sent again sooner.
 
 The first delay is never shorter than the answers take: each settlement of a message sent once
-is a round-trip sample, kept as a smoothed time and variation (RFC 6298's estimator, Karn's
-rule: no sample from a message sent again), and a settlement resets the delay to the larger of
+is a round-trip sample, kept as a smoothed time and variation (RFC 6298's estimator; a message
+sent again is timed from its first send, which can only make the estimate longer, never
+short as an answer to the first send timed from the resend would), and a settlement resets
+the delay to the larger of
 ``RESEND_AFTER`` and that estimate (smoothed + 4 x variation, at most ``RESEND_MAX``). On a
 link slower than the window's bytes take at 5 s (a window of 8 MiB pushes over 100 Mbit), a
 push queued behind the others is then waited for, not sent again while it is on its way.
@@ -46,7 +48,7 @@ class ResendTimer:
         self.delay = base
         self.srtt: float | None = None     # smoothed round trip of messages sent once ...
         self.rttvar = 0.0                  # ... and its variation (RFC 6298)
-        # msg -> [frames, last sent, sent again]; ordered by last sent (a resend moves it to
+        # msg -> [frames, last sent, first sent]; ordered by last sent (a resend moves it to
         # the end)
         self.unsettled: collections.OrderedDict = collections.OrderedDict()
         self.soon: dict[int, float] = {}   # msg -> when, refused with RECOVERING or BUSY
@@ -60,17 +62,17 @@ class ResendTimer:
         return len(self.unsettled)
 
     def sent(self, msg: int, frames: list, now: float) -> None:
-        self.unsettled[msg] = [frames, now, False]
+        self.unsettled[msg] = [frames, now, now]
 
     def settled(self, msg: int, now: float | None = None) -> None:
         """The broker answered ``msg``: forget it, and back to the first delay (no shorter
-        than the answers take: ``now`` makes a round-trip sample of a message sent once)."""
+        than the answers take: ``now`` makes a round-trip sample, from its first send)."""
         ent = self.unsettled.pop(msg, None)
         self.soon.pop(msg, None)
         self.busy.pop(msg, None)
         self.recovering.discard(msg)
-        if ent is not None and now is not None and not ent[2]:
-            sample = max(0.0, now - ent[1])
+        if ent is not None and now is not None:
+            sample = min(self.cap, max(0.0, now - ent[2]))
             if self.srtt is None:
                 self.srtt, self.rttvar = sample, sample / 2
             else:
@@ -109,7 +111,7 @@ class ResendTimer:
         restarted, or the local link closed); the delay starts again from the first one."""
         out = []
         for ent in self.unsettled.values():
-            ent[1], ent[2] = now, True
+            ent[1] = now
             out.append(ent[0])
         self.soon.clear()
         self.recovering.clear()
@@ -123,7 +125,7 @@ class ResendTimer:
         for msg in sorted(self.recovering, key=lambda m: self.unsettled[m][1]):
             del self.soon[msg]
             ent = self.unsettled[msg]
-            ent[1], ent[2] = now, True
+            ent[1] = now
             self.unsettled.move_to_end(msg)
             out.append(ent[0])
         self.recovering.clear()
@@ -145,7 +147,7 @@ class ResendTimer:
                 del self.soon[msg]
                 self.recovering.discard(msg)
                 ent = self.unsettled[msg]
-                ent[1], ent[2] = now, True
+                ent[1] = now
                 self.unsettled.move_to_end(msg)
                 out.append(ent[0])
         unsettled, limit = self.unsettled, now - self.delay
@@ -154,7 +156,7 @@ class ResendTimer:
             msg, ent = next(iter(unsettled.items()))
             if ent[1] > limit:
                 break
-            ent[1], ent[2] = now, True
+            ent[1] = now
             unsettled.move_to_end(msg)
             self.soon.pop(msg, None)
             self.recovering.discard(msg)

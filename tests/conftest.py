@@ -13,17 +13,14 @@ import pytest
 import zmq
 
 from gradbus.cluster import LocalCluster, end_processes
-from gradbus.codecs import net, security, shm
+from gradbus.codecs import security
 from gradbus.shards import checkpoint
 
 from . import leaks, rigs
 from .rigs import (
-    cluster_cores,
     gradbus_segments,
-    replica_mismatches,
-    state_problems,
+    stop_and_check,
     wait_for,
-    zombie_or_gone,
 )
 
 try:   # CI runs the property tests on fixed examples (reproducible); locally they stay random
@@ -181,26 +178,6 @@ def make_cluster():
     problems = [p for c in started for p in stop_and_check(c)]
     if problems:
         pytest.fail("cluster state at teardown: " + "; ".join(problems))
-
-
-def stop_and_check(c: LocalCluster) -> list[str]:
-    """Stop a cluster a test started; what is wrong with it: replicas that differ, a core's
-    state, shared memory left. Every child must be reaped."""
-    problems = []
-    pids = c.pids()
-    if c.broker_proc is not None and c.broker_proc.poll() is None:
-        problems += replica_mismatches(c)
-    cores = cluster_cores(c)
-    url = c.url
-    c.stop()
-    problems += state_problems(cores)
-    for one in net.broker_urls(url) if url else ():
-        # shared memory: nothing of the cluster is left once it stopped
-        left = shm.segments(shm.cluster_tag("%s:%d" % net.split_url(one)))
-        problems += [f"shared-memory segments left: {left}"] if left else []
-    for pid in pids:  # every child is reaped: no orphans
-        assert not os.path.exists(f"/proc/{pid}") or zombie_or_gone(pid)
-    return problems
 
 
 @pytest.fixture

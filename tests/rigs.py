@@ -706,3 +706,23 @@ def shard_after_coded_batch(be, n: int, opt: dict) -> np.ndarray:
     blk = sc.store.blocks["w/0"]
     assert all(type(a) is type(blk.value) for a in blk.state.values() if hasattr(a, "dtype"))
     return be.to_host(blk.value)
+
+
+def stop_and_check(c) -> list[str]:
+    """Stop a cluster a test started; what is wrong with it: replicas that differ, a core's
+    state, shared memory left. Every child must be reaped."""
+    problems = []
+    pids = c.pids()
+    if c.broker_proc is not None and c.broker_proc.poll() is None:
+        problems += replica_mismatches(c)
+    cores = cluster_cores(c)
+    url = c.url
+    c.stop()
+    problems += state_problems(cores)
+    for one in net.broker_urls(url) if url else ():
+        # shared memory: nothing of the cluster is left once it stopped
+        left = shm.segments(shm.cluster_tag("%s:%d" % net.split_url(one)))
+        problems += [f"shared-memory segments left: {left}"] if left else []
+    for pid in pids:  # every child is reaped: no orphans
+        assert not os.path.exists(f"/proc/{pid}") or zombie_or_gone(pid)
+    return problems

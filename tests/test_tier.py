@@ -22,8 +22,7 @@ from gradbus.codecs.tier import TierMap, home_of, name_of, parse_member
 from gradbus.tier_cluster import TierCluster
 from gradbus.workers.tier_client import JoinedFuture, TierClient
 
-from .conftest import stop_and_check
-from .rigs import wait_for
+from .rigs import stop_and_check, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 LR = 2.0 ** -5

@@ -36,14 +36,14 @@ import secrets
 import time
 from dataclasses import replace
 
-from gradbus.codecs import hops, messages, tier, wire
+from gradbus.codecs import hops, messages, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS, row_key, split_key, table_partitions
 from gradbus.codecs.tier import TierMap
 
 from . import status as _status
 from .acked import AckMarks
-from .actions import AckClient, Acked, Adopt, FreeRelays, Publish, ReadLog, ToClient, ToShard
+from .actions import AckClient, Acked, FreeRelays, Publish, ReadLog, ToClient, ToShard
 from .admission import Admission
 from .backend import ShardEvents
 from .catalog import Catalog
@@ -72,6 +72,7 @@ from .settings import (  # noqa: F401
     Settings,
 )
 from .settlement import Pending, Settlement
+from .tier_gate import TierGate
 
 log = logging.getLogger("gradbus.broker")
 
@@ -96,10 +97,6 @@ class BrokerCore:
         this broker member ``tier_index`` of it (protocol section 24)."""
         if not 1 <= partitions <= 65535:
             raise ValueError("partitions must be in 1..65535")
-        if tier is not None and (tier.partitions != partitions
-                                 or not 0 <= tier_index < len(tier.members)):
-            raise ValueError("a tier map has one owner per partition, and names this broker")
-        self.tier, self.tier_index = tier, tier_index
         self.settings = s = replace(settings or Settings(), **overrides)
         self.P = partitions
         self.now = now
@@ -116,6 +113,7 @@ class BrokerCore:
         self.broker_epoch = 0
         self.pair_status = None     # the pair's role and epoch for STATUS (the loop sets it)
         self.meters = m = Meters()
+        self.tier = TierGate(tier, tier_index, partitions, m.counters)
         self.members = Membership(s)
         self.acked = AckMarks(partitions)      # p -> the newest (epoch, seq) answered for
         self.admission = Admission(m.errors)   # roles per message, register takeovers
@@ -268,7 +266,7 @@ class BrokerCore:
                                                   backend=self.ports["backend"],
                                                   partitions=self.P, down=self.table.down(),
                                                   hb=self.settings.heartbeat_interval,
-                                                  run=self.run, **shm, **self._tier_wire(),
+                                                  run=self.run, **shm, **self.tier.wire(),
                                                   **({"bepoch": self.broker_epoch}
                                                      if self.broker_epoch else {}))])]
         if kind == wire.STATUS:   # ops tools are not workers
@@ -283,7 +281,7 @@ class BrokerCore:
         if kind in (wire.DIGEST, wire.CHECKPOINT):
             return self.reads.fanout(identity, m)
         if kind == wire.ADMIN:
-            return self._coalesce(self._admin(identity, m, now))
+            return self._coalesce(self.rebalance.admin(identity, m, now))
         client = self.members.client(identity, now)
         try:
             if kind == wire.PUSH:
@@ -299,10 +297,7 @@ class BrokerCore:
             if kind == wire.ROWS:
                 return self.reads.rows(client, m)
             if kind == wire.CATALOG:
-                if self.tier is not None and m.names:    # a name held elsewhere: MOVED
-                    self._check_tier(n for n in m.names
-                                     if n not in self.catalog.tensors
-                                     and n not in self.catalog.tables)
+                self.tier.check_catalog(m.names, self.catalog)   # held elsewhere: MOVED
                 return [ToClient(identity, self.catalog.reply(m))]
             if kind == wire.FOLLOW:
                 self.delivery.follow(identity, m.ps)
@@ -332,8 +327,7 @@ class BrokerCore:
         if replay is not None:
             return replay
         descs = h.descs(frames, self.settings.max_tensor_bytes)
-        if self.tier is not None:
-            self._check_tier(tier.name_of(d.key) for d in descs)
+        self.tier.check_keys(descs)
         self.sequencer.rings.check(descs)         # a ring the sweep removed: nobody reads it
         routed, tensors, decoded = self.catalog.route_push(descs, frames, self.table.live_owner)
         weights, bsp = self.consistency.check(tensors, h.ver, client)
@@ -370,9 +364,7 @@ class BrokerCore:
         replay = self.settlement.replay(client, msg)
         if replay is not None:
             return replay
-        if self.tier is not None:
-            tables = h.tables if isinstance(h.tables, (list, tuple)) else ()
-            self._check_tier(getattr(t, "name", None) for t in (*h.tensors, *tables))
+        self.tier.check_init(h)
         plan = self.catalog.plan_init(h, frames, self.table)
         if (plan.blocks or plan.tables) and not self.members.live_shards():
             raise WireError(Code.NO_SHARDS, "no live shard to place parameters on")
@@ -403,47 +395,6 @@ class BrokerCore:
                                        reply={"created": plan.created,
                                               "existing": plan.existing}), client)
         return [Publish(self.table.message())]
-
-    # ------------------------------------------------------------------ a broker tier
-    def _tier_wire(self) -> dict:
-        """WELCOME's tier fields: the map and which member this broker is (none alone)."""
-        if self.tier is None:
-            return {}
-        return {"tier": self.tier.to_wire(), "tier_at": self.tier_index}
-
-    def _check_tier(self, names) -> None:
-        """A write names only tensors and tables this member holds, else MOVED (nothing of
-        it is kept), naming the member that holds the first one that is not."""
-        tm = self.tier
-        for name in names:
-            if isinstance(name, str) and (i := tm.owner(name)) != self.tier_index:
-                self.meters.counters["tier_moved"] += 1
-                raise WireError(Code.MOVED, f"{name!r} is held by tier member {i} "
-                                            f"({tm.url(i)}), not by this one "
-                                            f"({self.tier_index}); tier map v{tm.version}")
-
-    def _admin(self, identity: bytes, h: messages.Admin, now: float) -> list:
-        """Ops commands: ``rebalance``, ``drain`` (with ``shard``)."""
-        op, req = h.op, h.req
-        if op == "rebalance":
-            self.rebalance.wanted = True
-            actions = self.rebalance.plan(now)
-            result = {"moves_started": sum(1 for a in actions if isinstance(a, Adopt))}
-        else:    # "drain": the op was checked when the message was unpacked
-            sid = h.shard
-            s = self.members.shards.get(sid) if sid is not None else None
-            if s is None or not s.alive:
-                return [self.meters.err(identity, Code.BAD_REQUEST,
-                                        f"drain: no live shard {sid!r}", req=req)]
-            if not any(x.alive and x.id != sid for x in self.members.shards.values()):
-                return [self.meters.err(identity, Code.BAD_REQUEST,
-                                        f"drain: {sid} is the only live shard", req=req)]
-            self.rebalance.draining.add(sid)
-            actions = self.rebalance.plan(now)
-            result = {"shard": sid, "partitions": len(s.partitions)}
-        actions.append(ToClient(identity, [wire.pack(wire.ADMIN_REPLY, req=req, result=result)]))
-        actions.append(Publish(self.table.message()))
-        return actions
 
     # ------------------------------------------------------------------ batching
     def flush(self, now: float) -> list:

@@ -10,8 +10,9 @@ import math
 import numpy as np
 
 from gradbus.codecs import wire
+from gradbus.codecs.errors import Code
 
-from .actions import Adopt, ToShard
+from .actions import Adopt, Publish, ToClient, ToShard
 from .settings import RATE_TAU
 
 log = logging.getLogger("gradbus.broker")
@@ -282,3 +283,26 @@ class Rebalance:
             if p not in self.moves:
                 problems.append(f"partition {p} leaves a shard but no move is under way")
         return problems
+
+    def admin(self, identity: bytes, h, now: float) -> list:
+        """Ops commands: ``rebalance``, ``drain`` (with ``shard``)."""
+        op, req = h.op, h.req
+        if op == "rebalance":
+            self.wanted = True
+            actions = self.plan(now)
+            result = {"moves_started": sum(1 for a in actions if isinstance(a, Adopt))}
+        else:    # "drain": the op was checked when the message was unpacked
+            sid = h.shard
+            s = self.members.shards.get(sid) if sid is not None else None
+            if s is None or not s.alive:
+                return [self.meters.err(identity, Code.BAD_REQUEST,
+                                        f"drain: no live shard {sid!r}", req=req)]
+            if not any(x.alive and x.id != sid for x in self.members.shards.values()):
+                return [self.meters.err(identity, Code.BAD_REQUEST,
+                                        f"drain: {sid} is the only live shard", req=req)]
+            self.draining.add(sid)
+            actions = self.plan(now)
+            result = {"shard": sid, "partitions": len(s.partitions)}
+        actions.append(ToClient(identity, [wire.pack(wire.ADMIN_REPLY, req=req, result=result)]))
+        actions.append(Publish(self.table.message()))
+        return actions

@@ -105,13 +105,7 @@ def status(core, now: float) -> dict:
                           "mean": round(h.sum / h.count, 3) if h.count else None},
             "errors": dict(m.errors),
             **({"pair": core.pair_status(now)} if core.pair_status is not None else {}),
-            **({"tier": tier(core)} if core.tier is not None else {})}
-
-
-def tier(core) -> dict:
-    """A tier member's view: which member it is, the map's version and each member's share."""
-    tm = core.tier
-    return {"member": core.tier_index, "version": tm.version, "members": tm.describe()}
+            **({"tier": core.tier.status()} if core.tier.tier is not None else {})}
 
 
 def metrics(core, now: float) -> dict:
@@ -143,13 +137,14 @@ def metrics(core, now: float) -> dict:
                 "1 while this broker of a pair acts: active, with a majority of every "
                 "partition's voters (its copies, and the peer when they are even).",
                 int(bool(pair.get("quorum"))))})
-    if core.tier is not None:
+    tm = core.tier.tier
+    if tm is not None:
         out.update({
             "gradbus_broker_tier_partitions": stats.gauge(
                 "Home partitions of the broker tier's map this member holds (the names whose "
-                "home partition they are are sequenced here).", core.tier.share(core.tier_index)),
+                "home partition they are are sequenced here).", tm.share(core.tier.index)),
             "gradbus_broker_tier_map_version": stats.gauge(
-                "The version of the broker tier's map this member answers.", core.tier.version),
+                "The version of the broker tier's map this member answers.", tm.version),
             "gradbus_broker_tier_moved_total": stats.counter(
                 "Writes refused MOVED: their tensor or table is held by another tier member.",
                 c.get("tier_moved", 0))})

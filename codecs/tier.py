@@ -83,7 +83,7 @@ class TierMap:
 
     def to_wire(self) -> dict:
         return {"v": self.version, "members": [list(m) for m in self.members],
-                "owners": bytes(self.owners) if len(self.members) <= 256 else list(self.owners)}
+                "owners": bytes(self.owners)}      # member indices < MAX_MEMBERS: a byte each
 
     @classmethod
     def from_wire(cls, d) -> "TierMap":

@@ -364,16 +364,33 @@ def test_answers_to_resent_pushes_are_counted_once(make_cluster):
 
 
 # -- pushes written on the local link by the user's thread ---------------------------------
+def _drain_once(state, make_link) -> tuple:
+    """An agent over ``state`` reads ``make_link(agent)`` once, as its loop does; the agent
+    and the frames it sent on its DEALER."""
+    import threading
+
+    from gradbus.workers.agent import Agent
+
+    ctx = zmq.Context()
+    agent = Agent(ctx, b"c" * 16, state, threading.Lock())
+    sent: list = []
+    agent._send = sent.append
+    try:
+        agent._drain_link(make_link(agent), zmq.Poller())
+    finally:
+        agent.pipe_in.close(linger=0)
+        agent.pipe_out.close(linger=0)
+        ctx.term()
+    return agent, sent
+
+
 def test_an_answer_read_before_its_push_was_noted_still_finds_its_future():
     """A user's thread notes a push for the agent (without waking it), then writes it on the
     link itself; the answer can come back while the agent is still reading the link in the
     same pass, before it took the note from its queue. The agent takes queued notes before
     each answer it reads, so the Future is there to resolve."""
-    import threading
 
-    import zmq
 
-    from gradbus.workers.agent import Agent
     from gradbus.workers.commands import SendMessage as Note
 
     state, _ = make_state()
@@ -384,25 +401,19 @@ def test_an_answer_read_before_its_push_was_noted_still_finds_its_future():
         answer is then already there."""
         fd, closed, buffered, pending = -1, False, False, 0
 
-        def __init__(self):
-            self.reads = 0
+        def __init__(self, agent):
+            self.agent, self.reads = agent, 0
 
         def recv(self):
             self.reads += 1
             if self.reads == 1:
                 state.credit.take(10, 1.0, lambda: 5, lambda: None, state.stats)
-                agent.note(Note(5, [wire.pack(wire.PUSH, [], msg=5, acks=1)], fut, sent=True))
+                self.agent.note(Note(5, [wire.pack(wire.PUSH, [], msg=5, acks=1)], fut,
+                                     sent=True))
                 return [wire.pack(wire.ACK, msg=5, ver=3)]
             return None
 
-    ctx = zmq.Context()
-    agent = Agent(ctx, b"c" * 16, state, threading.Lock())
-    try:
-        agent._drain_link(RacingLink(), zmq.Poller())
-    finally:
-        agent.pipe_in.close(linger=0)
-        agent.pipe_out.close(linger=0)
-        ctx.term()
+    _drain_once(state, RacingLink)
     assert fut.done() and fut.result() == {"kind": wire.ACK, "msg": 5, "ver": 3}
     assert not state.take()                      # noted as written: the agent sends nothing
     assert state.stats["duplicate_answers"] == 0 and not state.credit.held
@@ -413,12 +424,9 @@ def test_a_push_noted_just_before_the_link_closed_goes_again_on_the_dealer():
     died) before the agent took the note from its queue. The agent takes every queued note
     before it sends what the link carried unanswered again, so that push goes again at once,
     not only when a resend timer or a new broker's run id comes."""
-    import threading
 
-    import zmq
 
     from gradbus.codecs import link
-    from gradbus.workers.agent import Agent
     from gradbus.workers.commands import SendMessage as Note
 
     state, _ = make_state(resend=ResendTimer(3600.0, 3600.0))
@@ -429,24 +437,18 @@ def test_a_push_noted_just_before_the_link_closed_goes_again_on_the_dealer():
         """The user's thread notes push 5 and writes it; the broker's end then closes."""
         fd, closed, buffered, pending = -1, False, False, 0
 
+        def __init__(self, agent):
+            self.agent = agent
+
         def recv(self):
             state.credit.take(10, 1.0, lambda: 5, lambda: None, state.stats)
-            agent.note(Note(5, frames, fut, sent=True))
+            self.agent.note(Note(5, frames, fut, sent=True))
             raise link.LinkClosed("the broker's end closed")
 
         def close(self):
             self.closed = True
 
-    ctx = zmq.Context()
-    agent = Agent(ctx, b"c" * 16, state, threading.Lock())
-    sent = []
-    agent._send = sent.append
-    try:
-        agent._drain_link(ClosingLink(), zmq.Poller())
-    finally:
-        agent.pipe_in.close(linger=0)
-        agent.pipe_out.close(linger=0)
-        ctx.term()
+    agent, sent = _drain_once(state, ClosingLink)
     assert state.stats["link_resends"] == 1
     assert sent == [frames]                      # again, on the DEALER, at once
     assert not agent.cmds and not fut.done()     # its answer is still awaited

@@ -183,7 +183,7 @@ class TierClient:
 
     def status(self, timeout: float | None = None) -> dict:
         """Every member's status map, in the tier's order: ``{"tier": ..., "members": [...]}``."""
-        return {"tier": self.tier.to_wire() | {"owners": None},
+        return {"tier": {"version": self.tier.version, "members": self.tier.describe()},
                 "members": [c.status(timeout) for c in self.members]}
 
     def close(self, timeout: float = 10.0) -> None:

@@ -224,11 +224,18 @@ def test_members_started_with_different_tiers_are_refused_by_the_client(make_tie
     assert c._closed                              # nothing left open
 
 
+# Slow: on a machine whose cores are all taken (the suite on 2 cores beside two busy loops)
+# the standby of the killed broker once in about ten runs never got its shards' votes and
+# nothing was served for 60 s (nothing lost either); the pair tests share that weakness.
+@pytest.mark.slow
 def test_a_killed_member_broker_with_a_standby_loses_no_acknowledged_push(make_tier):
     """Each member a broker pair with 2 replicas; the active broker of member 1 is SIGKILLed
     while 2 clients push acks="all" to every member. Its standby takes over; every push is
     acknowledged and applied once, on both members."""
-    tier = make_tier(2, 2, pairs=True, replicas=2)
+    # a shard's vote lasts (liveness - 2) intervals: 3 s here rather than 0.5 s, so that a
+    # CPU-starved shard's late heartbeat does not leave the new broker without its votes
+    beat = ["--heartbeat-interval", "0.5", "--liveness", "8"]
+    tier = make_tier(2, 2, pairs=True, replicas=2, broker_args=beat, shard_args=beat)
     with gradbus.connect(tier.url, timeout=60) as c:
         c.init({n: np.zeros(N, np.float32) for n in NAMES}, optimizer=gradbus.SGD(lr=LR))
     m = tier.members[1]
@@ -254,6 +261,10 @@ def test_a_killed_member_broker_with_a_standby_loses_no_acknowledged_push(make_t
     m.broker_procs[first].kill()
     for t in threads:
         t.join(180)
+    if errors:      # what member 1's processes said, to tell why
+        for name, p in [*m.broker_procs.items(), *m.shard_procs.items()]:
+            if p.stderr_tail is not None:
+                print(f"--- {name}:\n{p.stderr_tail.text(1.0)[-3000:]}")
     assert not errors, errors
     _known_answer(tier.url, 60)
     assert wait_for(active, 30, "a new active broker") != first

@@ -56,6 +56,7 @@ from .shm_io import ShmIO
 
 log = logging.getLogger("gradbus.broker")
 
+_HB_SUBSCRIBED, _TABLE_SUBSCRIBED = b"\x01" + wire.TOPIC_HEARTBEAT, b"\x01" + wire.TOPIC_TABLE
 EVENTS_SNDHWM = 64        # messages queued per subscriber before XPUB drops (clients re-snapshot)
 FRONTEND_RCVHWM = 16      # messages libzmq queues per client connection before TCP back-pressure:
                           # the loop reads the frontend always (the byte cap refuses pushes past
@@ -537,16 +538,24 @@ class BrokerServer:
             self._do([ToShard(s.identity, [hb]) for s in core.members.live_shards()])
 
     def _drain_subscriptions(self) -> None:
-        hb = False
+        hb = table = False
         for _ in range(DRAIN_MAX):
             try:
                 notice = self.events.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             self.shm_io.subscription(notice)
-            hb = hb or notice == b"\x01" + wire.TOPIC_HEARTBEAT
+            hb = hb or notice == _HB_SUBSCRIBED
+            table = table or notice == _TABLE_SUBSCRIBED
+        out = []
         if hb:       # a new subscriber to heartbeats: it hears this broker's run id now
-            self._do([self.core.events_heartbeat()])
+            out.append(self.core.events_heartbeat())
+        if table and (self.pair is None or self.pair.active):
+            # a subscriber to the table (a new one, or one asking again because what it holds
+            # may be stale): the table now, after any published before (section 6.14)
+            out.append(Publish(self.core.table.message()))
+        if out:
+            self._do(out)
 
     def start_thread(self) -> threading.Thread:
         t = threading.Thread(target=self.run, name="gradbus-broker", daemon=True)

@@ -2,6 +2,8 @@
 least as new as what the broker acknowledged for it; until then pushes say it is lost."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -98,3 +100,64 @@ def test_an_older_copy_does_not_bring_a_lost_partition_back_and_a_new_enough_one
     assert p not in b.shards["s0"].partitions and p not in b.table.down()
     assert b.epochs[p] > new[0]
     b.validate_state()
+
+
+def test_a_pull_does_not_fail_on_a_stale_table_and_does_on_a_true_one(make_cluster):
+    """A client's table can be stale: a TABLE dropped on the way (the events socket drops past
+    its queue), or still behind an ACK that came on the local link. A pull that finds its
+    partitions down by that table asks the broker for its table first: with every partition
+    up it returns the weights; with the shard truly gone it fails SHARD_UNAVAILABLE."""
+    cluster = make_cluster(1, broker_args=FAST, shard_args=FAST)
+    w0 = np.zeros(3000, np.float32)
+    with gradbus.connect(cluster.url, block_bytes=4096, timeout=20) as c:
+        c.init({"w": w0}, optimizer=gradbus.SGD(lr=1.0))
+        c.push({"w": np.ones_like(w0)}).result(10)
+        parts = c.cache.partitions_of("w")
+        assert parts and not _status(cluster.url)["partitions_down"]
+        with c._cond:                 # the state a dropped "up" TABLE leaves behind
+            c.cache.down = set(parts)
+
+        def push_once_asked():        # the version the pull waits for, once it asked
+            wait_for(lambda: c.stats["table_asks"] == 1, 20, "the pull to ask for the table")
+            c.push({"w": np.ones_like(w0)}).result(10)
+
+        pusher = threading.Thread(target=push_once_asked)
+        pusher.start()
+        try:
+            w = c.pull(["w"], min_version=2, timeout=20)["w"]
+        finally:
+            pusher.join(30)
+        assert np.array_equal(w, np.full_like(w0, -2.0))
+        assert c.stats["table_asks"] == 1 and not c.cache.down
+
+        cluster.kill_shard("shard-0")
+        wait_for(lambda: _status(cluster.url)["partitions_down"], 10, "the broker to notice")
+        with pytest.raises(gradbus.ShardUnavailableError, match="have no live shard"):
+            c.pull(["w"], min_version=3, timeout=20)
+        assert c.stats["table_asks"] == 2
+
+
+def test_a_subscriber_to_the_table_gets_it_at_once(make_cluster):
+    """The broker publishes its table on every subscription to the table topic: a client
+    that subscribes again (its table may be stale) is answered without waiting for a
+    change."""
+    import zmq
+
+    cluster = make_cluster(1, broker_args=FAST, shard_args=FAST)
+    with gradbus.connect(cluster.url) as c:
+        c.init({"w": np.zeros(8, np.float32)})
+        events = c.agent._events_url
+    ctx = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.connect(events)
+        for ask in range(2):
+            sub.subscribe(wire.TOPIC_TABLE)
+            assert sub.poll(10_000), f"no TABLE after subscription {ask + 1}"
+            topic, header = sub.recv_multipart()
+            t = wire.unpack_header(header, frozenset({wire.TABLE}))
+            assert topic == wire.TOPIC_TABLE and t["down"] == [] and "shard-0" in t["owners"]
+            sub.unsubscribe(wire.TOPIC_TABLE)
+    finally:
+        ctx.destroy(linger=0)

@@ -25,6 +25,12 @@ class Unsubscribe:
 
 
 @dataclass(frozen=True, slots=True)
+class AskTable:
+    """Subscribe the events socket to the partition table again: the broker publishes its
+    table on every such subscription (protocol section 6.14), after any it published before."""
+
+
+@dataclass(frozen=True, slots=True)
 class Reconnect:
     """A broker pair: leave this broker (``why``) for the other one (protocol section 23)."""
     why: str

@@ -26,7 +26,7 @@ from zmq.utils.monitor import recv_monitor_message
 from gradbus.codecs import hops, link, net, security, wire
 from gradbus.codecs.errors import ClosedError, GradbusError
 
-from .actions import Reconnect, Subscribe, Unsubscribe
+from .actions import AskTable, Reconnect, Subscribe, Unsubscribe
 from .agent_state import AgentState, Send
 from .reader import LinkReader
 
@@ -301,6 +301,9 @@ class Agent(threading.Thread):
             elif t is Unsubscribe:
                 self.topics.discard(a.topic)
                 self.sub.unsubscribe(a.topic)
+            elif t is AskTable:     # subscribed once, whatever was asked before
+                self.sub.unsubscribe(wire.TOPIC_TABLE)
+                self.sub.subscribe(wire.TOPIC_TABLE)
             elif t is Reconnect:
                 self._reconnect(a.why)
 

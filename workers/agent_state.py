@@ -46,9 +46,10 @@ from gradbus.codecs import hops, messages, timing, wire
 from gradbus.codecs import tensor as tcodec
 from gradbus.codecs.errors import Code, WireError, error_from
 
-from .actions import Reconnect, Send
+from .actions import AskTable, Reconnect, Send
 from .cache import LiveBlock
 from .commands import (
+    CheckTable,
     Forward,
     Read,
     ReadRows,
@@ -157,6 +158,9 @@ class AgentState:
                 parts = self.cache.resync(cmd.keys)
             for p in parts:
                 self._resnapshot(p)
+        elif t is CheckTable:
+            self.stats["table_asks"] += 1
+            self.out.append(AskTable())
         elif t is Watch:
             self.follows.watch(cmd.parts, cmd.on)
             if cmd.on:      # a change that came before the subscription took hold is seen
@@ -406,6 +410,7 @@ class AgentState:
             self._run(h.run)
             with self.cond:
                 self.cache.down = set(h.down)
+                self.cache.tables += 1
                 moved = self.cache.on_table(h.epochs, h.owners, self.cache.down) \
                     if h.epochs is not None else ()
                 self.cond.notify_all()

@@ -42,7 +42,7 @@ from gradbus.codecs.tier import TierMap
 from .agent import Agent
 from .agent_state import AgentState
 from .cache import WeightCache
-from .commands import Read, Refresh, Request, SendMessage, Stop, Track, Watch
+from .commands import CheckTable, Read, Refresh, Request, SendMessage, Stop, Track, Watch
 from .credit import CreditWindow
 from .pipeline import PushPipeline
 from .push_ops import PushMethods
@@ -351,6 +351,7 @@ class Client(PushMethods, TableMethods):
         """The weights once every tensor of ``names`` is at its needed version; or, when live
         partitions of them are behind and not ``watching`` yet, those partitions."""
         refreshed = False
+        asked = None      # (TABLE messages taken, until when) once the table was asked for
         with self._cond:
             while True:
                 if self.agent.error is not None or self._closed:
@@ -391,8 +392,16 @@ class Client(PushMethods, TableMethods):
                 down = set().union(*(self.cache.unavailable(n) for n in names
                                      if n in self.cache.layouts))
                 if down:
-                    raise ShardUnavailableError(
-                        f"partitions {sorted(down)[:8]} of {names} have no live shard")
+                    # the table held may be stale (a TABLE dropped on the way, or behind an
+                    # ACK that came on the local link): said only once the broker's own
+                    # table, asked for now, says so too, or it did not come in time
+                    if asked is None:
+                        asked = (self.cache.tables,
+                                 time.monotonic() + self.state.silence_after)
+                        self.agent.submit(CheckTable())
+                    elif self.cache.tables > asked[0] or time.monotonic() >= asked[1]:
+                        raise ShardUnavailableError(
+                            f"partitions {sorted(down)[:8]} of {names} have no live shard")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     have = {n: self.cache.version(n) for n in names if n in self.cache.layouts}

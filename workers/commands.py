@@ -63,6 +63,14 @@ class Refresh:
 
 
 @dataclass(frozen=True, slots=True)
+class CheckTable:
+    """A pull found partitions down by the table this client holds, which may be stale (a
+    TABLE dropped on the way, or still behind an answer that came another way): ask the
+    broker for its table before the pull says so."""
+    future: None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Watch:
     """A pull waits for live partitions ``parts`` to reach a version: follow their updates
     meanwhile (``on``), or no longer (``on=False``), so that it is woken when they change."""

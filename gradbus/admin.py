@@ -134,15 +134,24 @@ def digest(url: str, partitions: list[int] | None = None,
     return out
 
 
+def tier_urls(url: str, timeout: float = 5.0,
+              curve: security.Curve | None = None) -> list[str]:
+    """Every member's URL (a pair's two comma-separated) of the broker tier ``url`` is a
+    member of, in the tier's order (protocol section 24); ``[url]`` for a broker of no tier."""
+    tier = status(url, timeout, curve).get("tier")
+    return [",".join(m["urls"]) for m in tier["members"]] if tier else [url]
+
+
 def checkpoint(url: str, timeout: float = 60.0,
                curve: security.Curve | None = None) -> list[dict]:
-    """Have every live shard write a checkpoint now: one ``{shard, path, time, partitions}``
-    (or ``{shard, error}``) per shard."""
+    """Have every live shard write a checkpoint now (of a broker tier: every member's
+    shards): one ``{shard, path, time, partitions}`` (or ``{shard, error}``) per shard."""
     out = []
-    for h in request_all(url, wire.CHECKPOINT, timeout, curve=curve):
-        if h["shard"]:
-            out.append({k: h[k] for k in ("shard", "path", "time", "partitions", "error")
-                        if k in h})
+    for member in tier_urls(url, min(timeout, 10.0), curve):
+        for h in request_all(member, wire.CHECKPOINT, timeout, curve=curve):
+            if h["shard"]:
+                out.append({k: h[k] for k in ("shard", "path", "time", "partitions", "error")
+                            if k in h})
     return sorted(out, key=lambda r: r["shard"])
 
 

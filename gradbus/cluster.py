@@ -138,6 +138,7 @@ class LocalCluster:
         self.restore_from = restore_from or {}
         self._started: set[str] = set()
         self.inproc = inproc
+        self.host_shards: int | None = None   # shard processes of this host (None: its own)
         self.ready_timeout = ready_timeout
         self.broker_args = broker_args or []
         self.shard_args = shard_args or []
@@ -185,9 +186,11 @@ class LocalCluster:
     def _env(self) -> dict:
         """The children's environment: this process's, and the shard processes sharing this
         host's cores (for their pass threads, :func:`gradbus.codecs.cores.pass_threads`;
-        in-process shards share one pool), unless the caller set it."""
+        in-process shards share one pool; ``host_shards`` where a tier runs several clusters
+        here), unless the caller set it."""
         env = dict(os.environ)
-        env.setdefault(cores.HOST_SHARDS_ENV, str(1 if self.inproc else self.n_shards))
+        env.setdefault(cores.HOST_SHARDS_ENV,
+                       str(self.host_shards or (1 if self.inproc else self.n_shards)))
         return env
 
     def _spawn(self, args: list[str]) -> subprocess.Popen:

@@ -22,16 +22,25 @@ class TierCluster:
         """``brokers``: tier members; ``shards``: shards per member; ``pairs``: each member a
         broker pair; ``port``: the first member's client port (0: free, as every other
         member's); ``kw``: every member's :class:`LocalCluster` settings (``replicas``,
-        ``inproc``, ``partitions``, ``quiet`` ...)."""
+        ``inproc``, ``partitions``, ``quiet``, ``data_dir``, ``curve_dir`` ...; with
+        ``metrics_port`` P, member i's brokers and shards take ports from P + i x (brokers x
+        (1 + shards)), as one cluster's do from P)."""
         if brokers < 1:
             raise ValueError("a tier has at least one broker")
         if kw.get("processes") is False:
             raise ValueError("a tier's brokers run as processes")
+        # every member's processes take metrics ports of their own after the one before's;
+        # data_dir and curve_dir are shared: shard ids are the tier's, keys are one set
+        metrics = kw.pop("metrics_port", None)
+        span = (2 if pairs else 1) * (1 + shards)
         self.members = [
             LocalCluster(shards, brokers=2 if pairs else 1, port=port if i == 0 else 0,
                          shard_ids=[f"b{i}-shard-{j}" for j in range(shards)],
-                         shard_args=shard_args, **kw)
+                         shard_args=shard_args,
+                         metrics_port=metrics + i * span if metrics else metrics, **kw)
             for i in range(brokers)]
+        for m in self.members:       # the host's cores are shared by every member's shards
+            m.host_shards = brokers * (1 if kw.get("inproc") else shards)
         urls = [self.member_url(i) for i in range(brokers)]
         tier = [a for u in urls for a in ("--tier", u)]
         for i, m in enumerate(self.members):
@@ -48,6 +57,11 @@ class TierCluster:
     @property
     def url(self) -> str:
         return self.urls[0]
+
+    @property
+    def keys(self):
+        """The CURVE keys every member's processes and the clients use (None: CURVE off)."""
+        return self.members[0].keys
 
     def start(self) -> "TierCluster":
         try:

@@ -268,3 +268,62 @@ def test_a_killed_member_broker_with_a_standby_loses_no_acknowledged_push(make_t
     assert not errors, errors
     _known_answer(tier.url, 60)
     assert wait_for(active, 30, "a new active broker") != first
+
+
+def test_up_runs_a_tier_with_curve_metrics_and_a_data_dir(tmp_path):
+    """``gradbus up --tier-brokers 2`` with ``--curve``, ``--metrics-port 0`` and
+    ``--data-dir``: one key set admits the client at both members (and refuses one without
+    keys), each member's processes serve metrics on ports of their own, a checkpoint asked of
+    the first member covers both members' shards under the one data directory, and SIGTERM
+    stops it all with exit 0."""
+    import os
+    import signal
+    import urllib.request
+
+    keys, data = tmp_path / "keys", tmp_path / "data"
+    proc = subprocess.Popen([sys.executable, "-m", "gradbus", "up", "--tier-brokers", "2",
+                             "--shards", "1", "--port", "0", "--curve", str(keys),
+                             "--metrics-port", "0", "--data-dir", str(data)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = wait_for(lambda: proc.stdout.readline().strip(), 90, "the ready line")
+        assert line.startswith("ready: tcp://127.0.0.1:"), line
+        url = line.split(" ", 1)[1]
+        assert proc.stdout.readline().startswith("curve: clients use --curve-secret")
+        curve = gradbus.Curve.from_files(keys / "client.key_secret", keys / "broker.key")
+        with gradbus.connect(url, curve=curve, timeout=60) as c:
+            assert isinstance(c, TierClient) and len(c.members) == 2
+            c.init({n: np.zeros(N, np.float32) for n in NAMES}, optimizer=gradbus.SGD(lr=LR))
+            assert {c.tier.owner(n) for n in NAMES} == {0, 1}
+            for _ in range(3):
+                c.push({n: np.ones(N, np.float32) for n in NAMES}).result(30)
+            got = c.pull(NAMES, min_version=3, timeout=30)
+        assert all(np.array_equal(got[n], np.full(N, -3 * LR, np.float32)) for n in NAMES)
+        with pytest.raises(gradbus.SecurityError):
+            gradbus.connect(url, curve=False, timeout=10)
+
+        members = admin.tier_urls(url, curve=curve)
+        # a broker and a shard each (a shard names its endpoint in a heartbeat)
+        metrics = wait_for(lambda: (lambda ms: ms if all(len(m) == 2 for m in ms) else None)(
+            [admin.status(m, curve=curve)["metrics_urls"] for m in members]), 30,
+            "every member's shard to name its metrics endpoint")
+        every = [u for m in metrics for u in m.values()]
+        assert len(set(every)) == 4, metrics
+        for i, m in enumerate(metrics):          # each member's broker says its own share
+            with urllib.request.urlopen(m["broker"], timeout=10) as r:
+                text = r.read().decode()
+            held = sum(1 for p in range(256) if TierMap.spread(members, 256).owners[p] == i)
+            assert f"gradbus_broker_tier_partitions {held}" in text, text[:400]
+
+        written = admin.checkpoint(url, curve=curve)
+        assert [r["shard"] for r in written] == ["b0-shard-0", "b1-shard-0"], written
+        assert not any(r.get("error") for r in written), written
+        for r in written:
+            assert os.path.dirname(os.path.dirname(r["path"])) == str(data), r
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()

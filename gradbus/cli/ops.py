@@ -100,7 +100,8 @@ def _follow_moves(url, curve, timeout: float, until_gone: str | None = None,
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("--timeout", default=60.0, show_default=True, type=float)
 def checkpoint_cmd(broker_url, as_json, timeout, curve):
-    """Have every shard write a checkpoint now; prints where each went."""
+    """Have every shard write a checkpoint now (of a broker tier: every member's); prints
+    where each went."""
     from gradbus import admin
     replies = admin.checkpoint(broker_url, timeout, curve=curve)
     if as_json:

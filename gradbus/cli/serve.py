@@ -325,7 +325,9 @@ def shard(ctx, broker_url, shard_id, weights_codec, nan_policy, fault_apply_dela
                    "broker (a pair with --brokers 2) with --shards shards of its own, "
                    "sequencing the tensors and tables whose names' home partitions the tier's "
                    "map gives it; 'ready:' names the first member, which clients follow to the "
-                   "others. Members after the first take free ports.")
+                   "others. Members after the first take free ports; with --metrics-port P, "
+                   "member i's processes take theirs from P + i x (brokers x (1 + shards)); "
+                   "--curve and --data-dir are shared.")
 def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backend_port,
        events_port, data_dir, shm, max_restarts, brokers, inproc, tier_brokers):
     """Run a local cluster (broker + shards) in the foreground until Ctrl-C or SIGTERM.
@@ -339,7 +341,7 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
     ctx = click.get_current_context()
     forward = config.forward_args(ctx)   # children read the same file
     forward = [*forward, "--shm" if shm else "--no-shm"]
-    shards = _layout(shards, inproc)
+    shards = _layout(shards, inproc, tier_brokers)
     if replicas > shards:
         raise click.BadParameter(f"{replicas} replicas need at least as many shards "
                                  f"(--shards {shards})", param_hint="--replicas")
@@ -348,14 +350,16 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
     if data_dir is None:    # the shards read the setting too: up restarts them from it
         data_dir = config.resolve(config.loaded(ctx))["shard.data_dir"].value
     if tier_brokers > 1:
-        if backend_port or events_port or metrics_port is not None or data_dir or curve_dir:
-            raise click.UsageError("--tier-brokers runs on free ports, without --curve, "
-                                   "--metrics-port or --data-dir for now")
+        if backend_port or events_port:
+            raise click.UsageError("--tier-brokers runs every member on free backend and "
+                                   "events ports")
         from gradbus.tier_cluster import TierCluster
         try:
             tier = TierCluster(tier_brokers, shards, pairs=brokers == 2, host=host, port=port,
                                partitions=partitions, quiet=False, replicas=replicas,
-                               broker_args=forward, shard_args=forward, inproc=inproc)
+                               broker_args=forward, shard_args=forward, inproc=inproc,
+                               curve_dir=curve_dir, metrics_port=metrics_port,
+                               data_dir=data_dir)
         except (GradbusError, OSError, ValueError) as e:
             raise click.ClickException(str(e))
         _run_cluster(tier, stop, RestartPolicy(max_restarts))
@@ -371,19 +375,22 @@ def up(shards, port, host, partitions, replicas, curve_dir, metrics_port, backen
     _run_cluster(cluster, stop, RestartPolicy(max_restarts))
 
 
-def _layout(shards: int | None, inproc: bool) -> int:
-    """The shards ``up`` runs (``shards``, else from the host's cores), said on stderr with
-    the pass threads and the spins the processes will choose."""
+def _layout(shards: int | None, inproc: bool, members: int = 1) -> int:
+    """The shards ``up`` runs per broker (``shards``, else from the host's cores and the
+    tier's ``members``), said on stderr with the pass threads and the spins the processes
+    will choose."""
     from gradbus.codecs import cores
     n = cores.usable_cores()
-    picked = shards or cores.local_shards(n)
-    # in-process shards share the broker's one pool; shard processes divide the cores
-    threads = cores.pass_threads(host_shards=1 if inproc else picked)
+    picked = shards or max(1, cores.local_shards(n) // members)
+    # in-process shards share their broker's one pool; shard processes divide the cores
+    threads = cores.pass_threads(host_shards=members * (1 if inproc else picked))
     load = cores.host_load()
+    tier = f" on each of {members} tier brokers" if members > 1 else ""
     click.echo(f"layout: {picked} shard{'s' * (picked != 1)}"
-               f"{' in the broker process' if inproc else ''} ({'set' if shards else 'from'} "
+               f"{' in the broker process' if inproc else ''}{tier} ({'set' if shards else 'from'} "
                f"{'--shards' if shards else f'{n} usable cores'}), {threads} pass "
-               f"thread{'s' * (threads != 1)} {'in all' if inproc else 'each'}; loops spin "
+               f"thread{'s' * (threads != 1)} "
+               f"{('per broker' if members > 1 else 'in all') if inproc else 'each'}; loops spin "
                f"after work: {'yes' if cores.spare(n, load) else 'no'} (load {load:.1f})",
                err=True)
     return picked

@@ -611,6 +611,22 @@ def spawn_gradbus(*args) -> subprocess.Popen:
                             preexec_fn=_end_with_test)
 
 
+@contextlib.contextmanager
+def gradbus_up(*args, ready_within: float = 90.0):
+    """``gradbus up args...`` (:func:`spawn_gradbus`) until its ready line: yields the
+    process and the URL it named; killed at the end if it still runs, its stdout closed."""
+    proc = spawn_gradbus("up", *args)
+    try:
+        line = wait_for(lambda: proc.stdout.readline().strip(), ready_within, "the ready line")
+        assert line.startswith("ready: tcp://"), line
+        yield proc, line.split(" ", 1)[1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
 def cpu_hog() -> subprocess.Popen:
     """A busy-loop process (a loaded machine); it ends with the test process."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"],

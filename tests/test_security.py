@@ -28,7 +28,7 @@ from gradbus.cli import main
 from gradbus.codecs import net, security, wire
 from gradbus.workers import client as client_mod
 
-from .rigs import wait_for
+from .rigs import gradbus_up, wait_for
 
 FAILED = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
@@ -286,13 +286,8 @@ def test_shard_without_an_allowed_key_cannot_register(curve_cluster, tmp_path):
 
 def test_up_with_curve(tmp_path):
     d = tmp_path / "keys"
-    proc = subprocess.Popen([sys.executable, "-m", "gradbus", "up", "--shards", "1", "--port",
-                             "0", "--curve", str(d)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = wait_for(lambda: proc.stdout.readline().strip(), 60, "ready line")
-        assert line.startswith("ready: tcp://127.0.0.1:"), line
-        url = line.split(" ", 1)[1]
+    with gradbus_up("--shards", 1, "--port", 0, "--curve", d) as (proc, url):
+        assert url.startswith("tcp://127.0.0.1:"), url
         hint = proc.stdout.readline().strip()
         assert hint == (f"curve: clients use --curve-secret {d / 'client.key_secret'} "
                         f"--curve-server-key {d / 'broker.key'}"), hint
@@ -307,11 +302,6 @@ def test_up_with_curve(tmp_path):
             gradbus.connect(url, curve=False, timeout=10)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
 
 
 def test_sdk_reads_keys_from_the_environment(make_cluster, keys, monkeypatch):

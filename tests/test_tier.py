@@ -22,7 +22,7 @@ from gradbus.codecs.tier import TierMap, home_of, name_of, parse_member
 from gradbus.tier_cluster import TierCluster
 from gradbus.workers.tier_client import JoinedFuture, TierClient
 
-from .rigs import stop_and_check, wait_for
+from .rigs import gradbus_up, stop_and_check, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 LR = 2.0 ** -5
@@ -281,14 +281,9 @@ def test_up_runs_a_tier_with_curve_metrics_and_a_data_dir(tmp_path):
     import urllib.request
 
     keys, data = tmp_path / "keys", tmp_path / "data"
-    proc = subprocess.Popen([sys.executable, "-m", "gradbus", "up", "--tier-brokers", "2",
-                             "--shards", "1", "--port", "0", "--curve", str(keys),
-                             "--metrics-port", "0", "--data-dir", str(data)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = wait_for(lambda: proc.stdout.readline().strip(), 90, "the ready line")
-        assert line.startswith("ready: tcp://127.0.0.1:"), line
-        url = line.split(" ", 1)[1]
+    with gradbus_up("--tier-brokers", 2, "--shards", 1, "--port", 0, "--curve", keys,
+                    "--metrics-port", 0, "--data-dir", data) as (proc, url):
+        assert url.startswith("tcp://127.0.0.1:"), url
         assert proc.stdout.readline().startswith("curve: clients use --curve-secret")
         curve = gradbus.Curve.from_files(keys / "client.key_secret", keys / "broker.key")
         with gradbus.connect(url, curve=curve, timeout=60) as c:
@@ -322,8 +317,3 @@ def test_up_runs_a_tier_with_curve_metrics_and_a_data_dir(tmp_path):
             assert os.path.dirname(os.path.dirname(r["path"])) == str(data), r
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()

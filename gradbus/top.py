@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gradbus import admin
+from gradbus.cli import render as render_text
 from gradbus.codecs import net, wire
 from gradbus.codecs.errors import GradbusError, SecurityError
 
@@ -269,6 +270,8 @@ def render(r: dict, cur: dict, history: History, *, url: str = "", note: str | N
         summary.add_row("staleness", _staleness(cur["staleness"]))
     else:
         summary.add_row("staleness", Text("not reported by this broker", style="dim"))
+    if cur.get("tier") is not None:
+        summary.add_row("tier", render_text.tier_text(cur["tier"]))
     parts.append(summary)
 
     st = Table(title="shards", title_justify="left", expand=False, padding=(0, 1))

@@ -439,3 +439,13 @@ def test_tables_are_shown_with_their_push_rate():
             for ln in out.splitlines() if ln.startswith("│")}
     assert rows["emb"] == ["emb", "1500", "96.0 kB", "50", "20.0"]
     assert "tables" not in _text(top.frame(PREV, CUR, None, top.History()))
+
+
+def test_a_tier_members_place_and_map_are_shown():
+    tier = {"member": 1, "version": 3, "members": [
+        {"member": 0, "partitions": 100, "urls": ["tcp://a:5555"]},
+        {"member": 1, "partitions": 156, "urls": ["tcp://b1:5555", "tcp://b2:5555"]}]}
+    out = _text(top.frame(PREV, dict(CUR, tier=tier), None, top.History()))
+    assert re.search(r"tier\s+member 1 of 2, map v3; home partitions: 0 100 \(tcp://a:5555\)"
+                     r"\s+1\* 156 \(tcp://b1:5555,tcp://b2:5555\)", out), out
+    assert "member" not in _text(top.frame(PREV, CUR, None, top.History()))

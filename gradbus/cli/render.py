@@ -32,6 +32,16 @@ def _backend(info: dict) -> str:
     return name if dev in ("", "cpu") else f"{name} {dev.split(' ')[0]}"
 
 
+def tier_text(tier: dict) -> str:
+    """A broker tier member's place and its map (status ``tier``, protocol section 24): which
+    member, of how many, the map's version, and each member's share of the home partitions
+    (``*``: this one) with its URLs."""
+    me = tier["member"]
+    return (f"member {me} of {len(tier['members'])}, map v{tier['version']}; home partitions: "
+            + "  ".join(f"{m['member']}{'*' if m['member'] == me else ''} {m['partitions']} "
+                        f"({','.join(m['urls'])})" for m in tier["members"]))
+
+
 def status_text(st: dict, url: str) -> str:
     """``gradbus status``: a summary of a broker's status ``st`` (from ``url``), then one table
     each of shards, workers, tensors and (when there are any) embedding tables."""
@@ -40,13 +50,8 @@ def status_text(st: dict, url: str) -> str:
             + (f"  epoch {b['epoch']}  takeovers {b['takeovers']}" if "epoch" in b else
                f"  ({b.get('error', '')})")
             for b in st.get("brokers", ())]
-    tier = st.get("tier")
-    if tier is not None:
-        me = tier["member"]
-        pair += [f"tier     member {me} of {len(tier['members'])}, map v{tier['version']}; home "
-                 "partitions: " + "  ".join(
-                     f"{m['member']}{'*' if m['member'] == me else ''} {m['partitions']} "
-                     f"({','.join(m['urls'])})" for m in tier["members"])]
+    if st.get("tier") is not None:
+        pair.append(f"tier     {tier_text(st['tier'])}")
     lines = pair + [
         f"broker   {url}  up {st['uptime_s']:.0f}s  partitions "
         f"{st['partitions_assigned']}/{st['partitions']} assigned"

@@ -12,7 +12,7 @@ in flight, waits for the oldest, takes the weights that include it, and sends th
     rpc_clone             the same, the Future resolving with a copy of the weights taken under
                           the lock (a new tensor per update: a handicap, shown for reference)
     rpc_tcp               ``rpc`` with TensorPipe restricted to TCP (uv transport, basic channel)
-    rpc2                  ``rpc`` with the model split in two halves over 2 parameter-server
+    rpc2, rpc4            ``rpc`` with the model split in two halves (four quarters) over 2 (4) parameter-server
                           processes, each owning one half (as PyTorch's parameter-server tutorial
                           spreads a model over servers); an update is one call per server, each
                           resolving with its half's weights tensor, and a worker keeps D updates
@@ -31,6 +31,16 @@ in flight, waits for the oldest, takes the weights that include it, and sends th
                           broker's partition table (``gradbus partitions``) and reports as
                           ``shard_bytes``: a run where one shard holds it all fails
     gradbus_inproc2       ``gradbus_shm2`` with ``--inproc``: both shards in the broker's process
+    gradbus_tier2, gradbus_tier4  ``gradbus up --tier-brokers B --shards 1 --inproc`` (B = 2, 4):
+                          a broker tier of B members on this host, each a broker process with
+                          its shard inside; the model split in B tensors (the first names of
+                          w0, w1, ... whose home partitions the tier's map gives to different
+                          members), pushed in one call (one PUSH per member) and pulled
+                          together, workers as ``gradbus_shm``; the run checks that every
+                          member applied pushes and reports each member's ``member_applied``.
+                          Beside ``rpc2``/``rpc4`` (``rpc`` over 2 or 4 parameter servers) and
+                          ``gradbus_inproc`` (one broker): the broker loop is the serial step
+                          a tier spreads over cores (not run by default)
     gradbus_inproc_spin   ``gradbus_inproc`` with GRADBUS_BROKER_SPIN_US=200: the broker's loop
                           polls without sleeping for 200 us after a turn with messages, whatever
                           the host (by default it does only where the host has cores to spare,
@@ -72,9 +82,11 @@ and the CPU time (utime + stime in /proc/PID/stat) of every process under it at 
                       push to the worker holding weights that include it
     cpu_s_per_update  CPU seconds of all the configuration's processes in the window, per update
     cores_busy        cpu_s_per_update x updates_per_s: the cores the configuration keeps busy
-    servers           2 on the lines of the 2-server configurations (rpc2, gradbus_*2)
+    servers           the server processes (or shards) of the configurations that split the
+                      model: 2 for rpc2 and gradbus_*2, 4 for rpc4, B for gradbus_tierB
     shard_bytes       gradbus_*2: shard -> the model's bytes it holds, from the partition table
-    vs_rpc, vs_rpc_tcp, vs_rpc2, vs_floor_shm, vs_floor_link
+    member_applied    gradbus_tierB: the pushes each tier member applied, in the tier's order
+    vs_rpc, vs_rpc_tcp, vs_rpc2, vs_rpc4, vs_gradbus_inproc, vs_floor_shm, vs_floor_link
                       updates_per_s over that configuration's, same size, depth and round (the
                       median of the rounds' ratios with ``--repeat``); null when it did not run
 
@@ -132,15 +144,19 @@ import floor  # noqa: E402  (the shm pipeline, the window, the samples, the proc
 import throughput  # noqa: E402  (the sizes and free ports)
 from floor import Samples, count_window, stop_processes  # noqa: E402
 
-CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "rpc2", "gradbus_shm", "gradbus_inproc",
-           "gradbus_shm2", "gradbus_inproc2", "gradbus_inproc_spin", "gradbus_inproc_spin_all",
+CONFIGS = ("rpc", "rpc_clone", "rpc_tcp", "rpc2", "rpc4", "gradbus_shm", "gradbus_inproc",
+           "gradbus_shm2", "gradbus_inproc2", "gradbus_tier2", "gradbus_tier4",
+           "gradbus_inproc_spin", "gradbus_inproc_spin_all",
            "gradbus_worker_noshm", "gradbus_shm_copy", "floor_shm", "floor_link", "floor_onepass",
            "floor_inplace")
 DEFAULT_CONFIGS = ("rpc", "rpc_tcp", "gradbus_shm", "gradbus_inproc", "gradbus_worker_noshm",
                    "floor_shm", "floor_link")
-REFERENCES = ("rpc", "rpc_tcp", "rpc2", "floor_shm", "floor_link")
+REFERENCES = ("rpc", "rpc_tcp", "rpc2", "rpc4", "gradbus_inproc", "floor_shm", "floor_link")
 # the configurations with the model split over two server processes (RPC) or shards (gradbus)
-SERVERS = {"rpc2": 2, "gradbus_shm2": 2, "gradbus_inproc2": 2}
+SERVERS = {"rpc2": 2, "rpc4": 4, "gradbus_shm2": 2, "gradbus_inproc2": 2,
+           "gradbus_tier2": 2, "gradbus_tier4": 4}
+# the broker tiers: configuration -> its members (each a broker with one in-process shard)
+TIERS = {"gradbus_tier2": 2, "gradbus_tier4": 4}
 # the floors: configuration -> (transport, the shard's step) of bench/floor.py's shm pipeline
 FLOORS = {"floor_shm": ("zmq", "numpy"), "floor_link": ("link", "numpy"),
           "floor_onepass": ("link", "onepass"), "floor_inplace": ("link", "inplace")}
@@ -277,7 +293,10 @@ def _gradbus_worker(url: str, index: int, nbytes: int, depth: int, counters, sto
             if len(waiting) >= depth:
                 j, fut = waiting.popleft()
                 ack = fut.result()
-                c.pull(names, min_version=ack["ver"])     # weights that include the push
+                # a push over a tier's members answers one ACK per member: every tensor is at
+                # the same version (each push carries them all)
+                ver = ack["ver"] if "parts" not in ack else min(a["ver"] for a in ack["parts"])
+                c.pull(names, min_version=ver)     # weights that include the push
                 lat.fresh(j)
                 if hops.ON:
                     hops.stamp("pull_returned", ack["msg"])
@@ -360,11 +379,32 @@ def shard_bytes(url: str, names: tuple, nbytes: int) -> dict:
     return dict(sorted(out.items()))
 
 
+def tier_names(members: int, url: str) -> tuple:
+    """Names of ``members`` tensors, each held by another member of the broker tier at
+    ``url``: the first of w0, w1, ... whose home partitions the tier's map gives to a member
+    no earlier one went to."""
+    import gradbus
+    with gradbus.connect(url, timeout=60) as c:
+        names: dict[int, str] = {}
+        for i in range(100 * members):
+            names.setdefault(c.tier.owner(f"w{i}"), f"w{i}")
+            if len(names) == members:
+                return tuple(names[m] for m in sorted(names))
+    raise ValueError(f"no {members} names on {members} different members")
+
+
+def member_applied(url: str) -> list[int]:
+    """Pushes each member of the broker tier at ``url`` applied, in the tier's order."""
+    from gradbus import admin
+    return [admin.status(m, timeout=30)["counters"].get("pushes_applied", 0)
+            for m in admin.tier_urls(url, timeout=30)]
+
+
 @contextlib.contextmanager
 def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
                    pids: dict | None = None, board_step: bool = True, inproc: bool = False,
                    spin_us: int = 0, worker_spin_us: int | None = None, pieces: int = 1,
-                   info: dict | None = None):
+                   info: dict | None = None, tier: int = 1):
     """``gradbus up`` and the workers running (``run`` may name ``shards``, 1 by default, the
     workers' ``codec`` and the shard's ``weights_codec``); yields ``alive()``. ``pieces``: the
     tensors the model is split into (:func:`piece_names`; one, ``w``, by default); ``info``,
@@ -373,7 +413,9 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
     ``GRADBUS_BOARD_STEP=0`` in the environment, e.g. for ``--hops``). With ``hosts``
     (bench/hosts_net.py's Hosts), ``up`` runs in its server namespace on the server's address
     and worker i in worker namespace i; ``pids`` as for :func:`rpc_config`; ``spin_us``: the
-    broker's spin (``--spin-us``), ``worker_spin_us`` the workers' (``spin_us``)."""
+    broker's spin (``--spin-us``), ``worker_spin_us`` the workers' (``spin_us``). ``tier``:
+    a broker tier of that many members, each with ``run``'s shards (:func:`tier_names`);
+    ``info`` gets ``member_applied``."""
     ctx = mp.get_context("spawn")
     up, procs = None, []
     env = {**os.environ, "GRADBUS_SHM": "1"}
@@ -386,6 +428,8 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
     cmd = [sys.executable, "-m", "gradbus", "up", "--shards", str(run.get("shards", 1))]
     if inproc:
         cmd.append("--inproc")
+    if tier > 1:
+        cmd += ["--tier-brokers", str(tier)]
     if hosts is None:
         cmd += ["--port", str(throughput.free_port())]
     else:
@@ -398,7 +442,9 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
                                   preexec_fn=_die_with_parent)
             url = _wait_ready(up, log.name, READY_TIMEOUT)
             names = ("w",)
-            if pieces > 1:
+            if tier > 1:
+                names = tier_names(tier, url)
+            elif pieces > 1:
                 from gradbus import admin
                 names = piece_names(pieces, run["bytes"],
                                     len(admin.partitions(url, timeout=30)["owners"]))
@@ -416,7 +462,13 @@ def gradbus_config(run: dict, counters, stop, lat, worker_shm: str, hosts=None,
             if pids is not None:
                 pids.update(server=up.pid, workers=[p.pid for p in procs])
             yield lambda: up.poll() is None and all(p.exitcode is None for p in procs)
-            if pieces > 1:
+            if tier > 1:
+                applied = member_applied(url)
+                if not all(applied):
+                    raise RuntimeError(f"a tier member applied no push: {applied}")
+                if info is not None:
+                    info["member_applied"] = applied
+            elif pieces > 1:
                 held = shard_bytes(url, names, run["bytes"])
                 if sum(1 for b in held.values() if b) < min(pieces, run.get("shards", 1)):
                     raise RuntimeError(f"the model's pieces are not spread over the shards: "
@@ -444,7 +496,7 @@ def start(config: str, run: dict, counters, stop, lat, info: dict | None = None)
     """The configuration's processes as a context manager yielding ``alive()``; ``info``, where
     given, gets what the configuration reports of itself (:func:`gradbus_config`)."""
     servers = SERVERS.get(config, 1)
-    if config in ("rpc", "rpc_tcp", "rpc_clone", "rpc2"):
+    if config in ("rpc", "rpc_tcp", "rpc_clone", "rpc2", "rpc4"):
         return rpc_config(run, counters, stop, lat, tcp_only=config == "rpc_tcp",
                           clone=config == "rpc_clone", servers=servers)
     if config in ("gradbus_shm", "gradbus_worker_noshm", "gradbus_shm_copy", "gradbus_inproc",
@@ -458,6 +510,9 @@ def start(config: str, run: dict, counters, stop, lat, info: dict | None = None)
                               spin_us=200 if spin else 0,
                               worker_spin_us=500 if config == "gradbus_inproc_spin_all" else None,
                               pieces=servers, info=info)
+    if config in TIERS:
+        return gradbus_config(run, counters, stop, lat, "1", inproc=True, tier=TIERS[config],
+                              info=info)
     if config in FLOORS:
         if run.get("pause"):
             raise ValueError(f"{config} takes no pause")
@@ -534,8 +589,9 @@ def lines(key: tuple, configs: list, rounds: list, workers: int, pause_us: int =
                               if line["cpu_s_per_update"] and line["updates_per_s"] else None)
         if config in SERVERS:
             line["servers"] = SERVERS[config]
-        if any(r.get("shard_bytes") for r in ok):
-            line["shard_bytes"] = next(r["shard_bytes"] for r in ok if r.get("shard_bytes"))
+        for f in ("shard_bytes", "member_applied"):
+            if any(r.get(f) for r in ok):
+                line[f] = next(r[f] for r in ok if r.get(f))
         for ref in REFERENCES:
             ratios = [r[config]["updates_per_s"] / r[ref]["updates_per_s"] for r in rounds
                       if r.get(config, {}).get("updates_per_s")

@@ -216,3 +216,20 @@ def test_the_two_server_configurations_split_the_model_and_say_the_cores_they_ke
             if "rpc2" in got:
                 assert line["vs_rpc2"] == pytest.approx(
                     line["updates_per_s"] / got["rpc2"]["updates_per_s"], rel=0.01)
+
+
+def test_the_tier_configuration_spreads_the_model_over_its_members_beside_one_broker():
+    """gradbus_tier2: a tier of 2 brokers, the model in 2 tensors each held by another
+    member; every member applies pushes, and the line names its ratio to one broker."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "peers.py"), "--configs",
+                          "gradbus_inproc,gradbus_tier2", "--sizes", "64K", "--depth", "2",
+                          "--workers", "1", "--seconds", "1", "--warmup", "0.5"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = {x["config"]: x for x in map(json.loads, out.stdout.splitlines())}
+    line = got["gradbus_tier2"]
+    assert line["servers"] == 2 and line["updates_per_s"] > 0, line
+    applied = line["member_applied"]
+    assert len(applied) == 2 and all(n > 0 for n in applied), line
+    assert line["vs_gradbus_inproc"] == pytest.approx(
+        line["updates_per_s"] / got["gradbus_inproc"]["updates_per_s"], rel=0.01), line

@@ -270,6 +270,60 @@ def test_a_killed_member_broker_with_a_standby_loses_no_acknowledged_push(make_t
     assert wait_for(active, 30, "a new active broker") != first
 
 
+
+def _reach(c: TierClient, name: str):
+    """``name``'s weights, or None while its member does not answer (or, just restarted,
+    does not know the name yet: its shard registers with it)."""
+    try:
+        return c.pull([name], timeout=10)[name]
+    except (gradbus.BrokerUnavailableError, gradbus.UnknownKeyError):
+        return None
+
+
+def test_a_killed_member_broker_without_a_standby_comes_back_and_loses_no_acknowledged_push(
+        make_tier):
+    """Members of one broker each (no standby). Member 1's broker is SIGKILLed while 2
+    clients push acks="all" to both members, then started again on its ports, as ``gradbus
+    up`` restarts it: member 0 serves on meanwhile, member 1's shard registers with the new
+    broker holding its data, the clients' unsettled pushes go again to it, and every push is
+    applied exactly once (protocol section 24: a dead member's names wait for it)."""
+    tier = make_tier(2, 1)
+    with gradbus.connect(tier.url, timeout=60) as c:
+        c.init({n: np.zeros(N, np.float32) for n in NAMES}, optimizer=gradbus.SGD(lr=LR))
+    m0, m1 = tier.members
+    errors: list = []
+    threads = [threading.Thread(target=_push_all, args=(u, 30, errors, []))
+               for u in (tier.urls[0], tier.urls[1])]
+    for t in threads:
+        t.start()
+    wait_for(lambda: admin.status(tier.urls[1])["counters"].get("pushes_applied", 0) >= 10,
+             60, "pushes applied at member 1")
+    m1.broker_procs["broker"].kill()
+    m1.broker_procs["broker"].wait(10)
+    # member 0 serves its names meanwhile (the pushing clients wait: each push goes to both),
+    # to a client that starts now too; member 1's names are refused by it, said so
+    with gradbus.connect(tier.urls[0], timeout=60) as c:
+        assert c.members[1] is None and not c.broker_alive
+        solo = next(f"solo{i}" for i in range(1000) if c.tier.owner(f"solo{i}") == 0)
+        c.init({solo: np.zeros(4, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+        c.push({solo: np.ones(4, np.float32)}, acks="all").result(30)
+        assert np.array_equal(c.pull([solo], min_version=1, timeout=30)[solo],
+                              np.full(4, -1.0, np.float32))
+        theirs = next(n for n in NAMES if c.tier.owner(n) == 1)
+        with pytest.raises(gradbus.BrokerUnavailableError, match="no broker answered"):
+            c.push({theirs: np.ones(N, np.float32)})
+        assert "error" in c.status()["members"][1]
+        m1.start_broker()
+        # the same client reaches member 1 once it answers
+        wait_for(lambda: _reach(c, theirs) is not None, 60, "member 1 reached again")
+    for t in threads:
+        t.join(180)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors
+    _known_answer(tier.url, 60)
+    st = admin.status(tier.urls[1])
+    assert st["shards"][0]["alive"] and not st["partitions_down"]
+
 def test_up_runs_a_tier_with_curve_metrics_and_a_data_dir(tmp_path):
     """``gradbus up --tier-brokers 2`` with ``--curve``, ``--metrics-port 0`` and
     ``--data-dir``: one key set admits the client at both members (and refuses one without

@@ -7,18 +7,27 @@ goes as one push to each, in parallel, under one Future that resolves when every
 acknowledged (or fails with the first part that failed); a push of one member's tensors is
 that member's push, nothing added. Each member client keeps its own credit window, duplicate
 window and weights, so every guarantee of one broker holds per member.
+
+A member that does not answer when the client starts does not stop it: the other members'
+names are served, and the member is connected at the first call that needs it (a call that
+finds it still silent raises :class:`~gradbus.codecs.errors.BrokerUnavailableError`).
 """
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from concurrent import futures
 from concurrent.futures import Future
 
+from gradbus.codecs.errors import BrokerUnavailableError
 from gradbus.codecs.tier import TierMap
 
-from .client import Client
+from .client import DEFAULT_TIMEOUT, Client
+
+log = logging.getLogger("gradbus.client")
+REACH_TIMEOUT = 5.0      # seconds a member not yet connected is given to answer a HELLO
 
 
 class JoinedFuture(Future):
@@ -69,27 +78,59 @@ class TierClient:
         self.tier: TierMap = tm
         opts = dict(options or {})
         opts["client_id"] = first.client_id      # one worker, the same id at every member
+        self._opts = opts
+        self._lock = threading.Lock()            # members connected later, one at a time
+        self._accumulate: tuple | None = None    # what accumulate() set, for those too
+        self.first = first.tier_at
         self.members: list[Client | None] = [None] * len(tm.members)
         self.members[first.tier_at] = first
         try:
             for i in range(len(tm.members)):
                 if self.members[i] is None:
-                    c = self.members[i] = Client(tm.url(i), **opts)
-                    if c.tier_map is None or c.tier_map.members != tm.members \
-                            or c.tier_at != i:
-                        raise ValueError(f"tier member {i} ({tm.url(i)}) answers another "
-                                         "tier map: start every member with the same --tier")
+                    try:
+                        self._connect(i)
+                    except BrokerUnavailableError as e:
+                        # its names wait for it; every other member's are served meanwhile
+                        log.warning("tier member %d did not answer (%s); its names are "
+                                    "reached once it does", i, e)
         except BaseException:
-            for c in self.members:
-                if c is not None:
-                    c.close(timeout=1.0)
+            self.close(1.0)
             raise
         self.client_id = first.client_id
+
+    def _connect(self, i: int) -> Client:
+        """Member ``i``'s client, connected now (under the lock, or while starting)."""
+        # a member that does not answer is told soon: its names' calls fail fast meanwhile
+        timeout = self._opts.get("timeout", DEFAULT_TIMEOUT)
+        c = Client(self.tier.url(i), **{**self._opts, "timeout": min(timeout, REACH_TIMEOUT)})
+        c.timeout = timeout
+        if c.tier_map is None or c.tier_map.members != self.tier.members or c.tier_at != i:
+            c.close(timeout=1.0)
+            raise ValueError(f"tier member {i} ({self.tier.url(i)}) answers another tier "
+                             "map: start every member with the same --tier")
+        if self._accumulate is not None:
+            c.accumulate(*self._accumulate)
+        self.members[i] = c
+        return c
+
+    def member(self, i: int) -> Client:
+        """Member ``i``'s client; one that did not answer before is connected now, or
+        :class:`BrokerUnavailableError` says, within :data:`REACH_TIMEOUT`, that it still
+        does not answer."""
+        c = self.members[i]
+        if c is not None:
+            return c
+        with self._lock:
+            c = self.members[i]
+            return c if c is not None else self._connect(i)
+
+    def _live(self) -> list[Client]:
+        return [c for c in self.members if c is not None]
 
     # -- routing ---------------------------------------------------------------------------
     def owner(self, name: str) -> Client:
         """The member client holding tensor or table ``name``."""
-        return self.members[self.tier.owner(name)]
+        return self.member(self.tier.owner(name))
 
     def _split(self, d: dict) -> dict[int, dict]:
         parts: dict[int, dict] = {}
@@ -105,7 +146,7 @@ class TierClient:
             raise ValueError("init takes a non-empty dict of name -> array or initializer")
         out: dict = {}
         for i, part in self._split(tensors).items():
-            out.update(self.members[i].init(part, optimizer, timeout, consistency,
+            out.update(self.member(i).init(part, optimizer, timeout, consistency,
                                             stale_policy, scale_lr))
         return {n: out[n] for n in tensors}
 
@@ -116,8 +157,8 @@ class TierClient:
         parts = self._split(grads)
         if len(parts) == 1:
             (i, part), = parts.items()
-            return self.members[i].push(part, codec, acks, version, timeout)
-        return JoinedFuture([self.members[i].push(part, codec, acks, version, timeout)
+            return self.member(i).push(part, codec, acks, version, timeout)
+        return JoinedFuture([self.member(i).push(part, codec, acks, version, timeout)
                              for i, part in parts.items()])
 
     def pull(self, keys=None, min_version: int | None = None, timeout: float | None = None,
@@ -135,7 +176,7 @@ class TierClient:
         for i, names in groups.items():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             sub = {n: a for n, a in (out or {}).items() if n in names} if names else None
-            got.update(self.members[i].pull(names, min_version, left, sub or None))
+            got.update(self.member(i).pull(names, min_version, left, sub or None))
         return got if keys is None else {n: got[n] for n in keys}
 
     def version(self, name: str) -> int:
@@ -154,41 +195,52 @@ class TierClient:
         return self.owner(name).push_rows(name, *args, **kw)
 
     def accumulate(self, every: int = 1, threshold: float | None = None) -> None:
-        for c in self.members:
-            c.accumulate(every, threshold)
+        with self._lock:
+            for c in self._live():
+                c.accumulate(every, threshold)
+            self._accumulate = (every, threshold)
 
     @property
     def accumulating(self) -> bool:
-        return self.members[0].accumulating
+        return self.members[self.first].accumulating
 
     @property
     def codec(self) -> str:
-        return self.members[0].codec
+        return self.members[self.first].codec
 
     @property
     def stats(self) -> collections.Counter:
         """The members' counters, summed."""
         total: collections.Counter = collections.Counter()
-        for c in self.members:
+        for c in self._live():
             total.update(c.stats)
         return total
 
+    @property
     def broker_alive(self) -> bool:
-        return all(c.broker_alive() for c in self.members)
+        """Every member connected and heard within its silence window."""
+        return all(c is not None and c.broker_alive for c in self.members)
 
     def flush(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
-        for c in self.members:
+        for c in self._live():
             c.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def status(self, timeout: float | None = None) -> dict:
-        """Every member's status map, in the tier's order: ``{"tier": ..., "members": [...]}``."""
+        """Every member's status map, in the tier's order: ``{"tier": ..., "members": [...]}``;
+        a member that does not answer is ``{"error": why}``."""
+        out = []
+        for i in range(len(self.members)):
+            try:
+                out.append(self.member(i).status(timeout))
+            except BrokerUnavailableError as e:
+                out.append({"error": str(e)})
         return {"tier": {"version": self.tier.version, "members": self.tier.describe()},
-                "members": [c.status(timeout) for c in self.members]}
+                "members": out}
 
     def close(self, timeout: float = 10.0) -> None:
         """Close every member client (each flushes first, up to ``timeout``)."""
-        for c in self.members:
+        for c in self._live():
             c.close(timeout)
 
     def __enter__(self) -> "TierClient":

@@ -185,8 +185,14 @@ class Catalog:
         return routed, tensors, decoded
 
     def reply(self, h) -> list:
-        """The frames of a CATALOG_REPLY to a typed CATALOG (``names``: strings, or None)."""
+        """The frames of a CATALOG_REPLY to a typed CATALOG (``names``: strings, or None);
+        RECOVERING where names it does not know may be held by shards not registered again
+        yet (a young, restarted broker)."""
         names = h.names
+        if names is not None:      # a restarted broker may not have relearned them yet
+            missing = [n for n in names if n not in self.tensors and n not in self.tables]
+            if missing:
+                self.check_recovering(f"catalog of {', '.join(missing[:4])}", True)
         sel = self.tensors if names is None else {n: self.tensors[n] for n in names
                                                   if n in self.tensors}
         tensors = [{**t.layout.to_wire(), "version": t.version, "cons": t.cons}

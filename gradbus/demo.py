@@ -17,6 +17,7 @@ import numpy as np
 import gradbus
 from gradbus import demo_model as dm
 from gradbus.codecs.errors import GradbusError
+from gradbus.workers.tier_client import member_statuses
 
 PARAM_PREFIX = "digits."
 OPTIMIZERS = {  # the server-side rule; adam matches the single-process baseline
@@ -83,7 +84,7 @@ def _worker_loop(c, index, epochs, codec, init, X, y, rng, t0, accumulate, optim
                       "pushes": steps,
                       "push_bytes": c.stats["push_bytes"], "recv_bytes": c.stats["recv_bytes"],
                       "push_raw_bytes": c.stats["push_raw_bytes"],
-                      "cache": dict(c.cache.stats),
+                      "cache": c.cache_stats,
                       "seconds": time.perf_counter() - t0}), flush=True)
 
 
@@ -198,7 +199,9 @@ def run(workers: int = 2, shards: int = 2, epochs: int | None = None, codec: str
     base = dm.train_single_process(epochs=epochs, seed=seed) if baseline else None
     return {"test_accuracy": round(acc, 4),
             "baseline_accuracy": round(base["test_accuracy"], 4) if base else None,
-            "pushes": int(st["counters"].get("pushes_applied", 0)),
+            # of a tier, every member applies its part of each push: the most any member did
+            "pushes": max(int(m["counters"].get("pushes_applied", 0))
+                          for m in member_statuses(st)),
             "wire_bytes": int(sum(d["push_bytes"] + d["recv_bytes"] for d in done.values())),
             "push_bytes": int(sum(d["push_bytes"] for d in done.values())),
             "push_raw_bytes": int(sum(d["push_raw_bytes"] for d in done.values())),

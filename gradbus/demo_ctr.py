@@ -36,6 +36,7 @@ import numpy as np
 import gradbus
 from gradbus.demo import cluster_at, progress_line, run_workers, when_ready
 from gradbus.demo_model import iterate_minibatches
+from gradbus.workers.tier_client import member_statuses
 
 __all__ = [
     "DEFAULT_BATCH",
@@ -541,7 +542,7 @@ def run(workers: int = 2, shards: int = 2, epochs: int = DEFAULT_EPOCHS,
             score = evaluate(c, data)
             st = c.status()
     best = data.optimum()
-    tables = {t["name"]: t for t in st.get("tables", [])}
+    tables = {t["name"]: t for m in member_statuses(st) for t in m.get("tables", [])}
     return {"logloss": round(score["logloss"], 4), "auc": round(score["auc"], 4),
             "optimum_logloss": round(best["logloss"], 4), "optimum_auc": round(best["auc"], 4),
             "base_logloss": round(data.base_logloss, 4),

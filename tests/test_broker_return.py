@@ -160,3 +160,46 @@ def test_each_new_heartbeat_subscriber_hears_the_run_id_at_once():
             sub.close()
         srv.stop()
         thread.join(20)
+
+
+def test_a_client_new_to_a_restarted_broker_waits_for_its_shards_to_name_a_tensor(tmp_path):
+    """The broker restarts while its shard is stopped, so it has not relearned the tensor; a
+    client that starts now and pulls it is told RECOVERING and asks again (not UNKNOWN_KEY),
+    and gets the weights once the shard is back and registered."""
+    port, backend, events = free_ports(3)
+    url = f"tcp://127.0.0.1:{port}"
+    broker_cmd = ["broker", "--port", str(port), "--backend-port", str(backend),
+                  "--events-port", str(events), "--heartbeat-interval", "0.25",
+                  "--liveness", "40"]     # a recovery grace of 20 s and more
+    procs = [spawn_gradbus(*broker_cmd)]
+    try:
+        assert procs[0].stdout.readline().startswith("listening")
+        shard = spawn_gradbus("shard", "--broker", url, "--id", "s0", "--data-dir",
+                              tmp_path / "s0")
+        procs.append(shard)
+        wait_for(lambda: _alive(url) == 1, 60, "the shard")
+        with gradbus.connect(url) as c:
+            c.init({"w": np.zeros(100, np.float32)}, optimizer=gradbus.SGD(lr=1.0))
+            c.push({"w": np.ones(100, np.float32)}).result(30)
+        os.kill(shard.pid, signal.SIGSTOP)
+        try:
+            procs[0].kill()
+            procs[0].wait(30)
+            procs[0].stdout.close()
+            procs[0] = spawn_gradbus(*broker_cmd)
+            assert procs[0].stdout.readline().startswith("listening")
+            got: dict = {}
+            with gradbus.connect(url, timeout=60) as c:
+                t = threading.Thread(target=lambda: got.update(
+                    w=c.pull(["w"], min_version=1, timeout=60)["w"]))
+                t.start()
+                wait_for(lambda: c.stats["recovering_retries"] >= 1, 30,
+                         "the lookup refused RECOVERING")
+                os.kill(shard.pid, signal.SIGCONT)
+                t.join(90)
+                assert not t.is_alive()
+        finally:
+            os.kill(shard.pid, signal.SIGCONT)
+        assert np.array_equal(got["w"], np.full(100, -1.0, np.float32))
+    finally:
+        end_processes(procs, 10)

@@ -350,3 +350,10 @@ def test_a_restarted_broker_hearing_first_from_an_empty_rejoining_shard_still_re
                                                             rejoin=not fresh)], 0))
         rig.client(b"c", push_msg(5, layout, np.ones(4, np.float32)))
         assert rig.replies(b"c")[0]["code"] == code
+        # a client's layout lookup of the tensor too: asked again, not told it is unknown
+        rig.client(b"c", [wire.pack(wire.CATALOG, req=7, names=["w"])])
+        r = rig.replies(b"c")[0]
+        if fresh:
+            assert r["kind"] == wire.CATALOG_REPLY and r["tensors"] == [], r
+        else:
+            assert r["code"] == "RECOVERING" and "catalog of w" in r["message"], r

@@ -371,3 +371,46 @@ def test_up_runs_a_tier_with_curve_metrics_and_a_data_dir(tmp_path):
             assert os.path.dirname(os.path.dirname(r["path"])) == str(data), r
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+
+
+def test_the_demos_train_through_a_tier_and_the_client_sums_its_members(make_tier):
+    """``gradbus demo`` and ``gradbus demo ctr`` against a tier: the model's tensors and the
+    CTR tables spread over both members, training works, the summaries read every member.
+    The TierClient's compression and cache figures are its members' summed."""
+    import json
+    import os
+
+    from .child import ROOT
+
+    tier = make_tier(2, 1)
+    out = subprocess.run([sys.executable, "-m", "gradbus", "demo", "--broker", tier.url,
+                          "--workers", "2", "--epochs", "3", "--json"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=200,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["test_accuracy"] > 0.8 and summary["pushes"] > 0, summary
+    out = subprocess.run([sys.executable, "-m", "gradbus", "demo", "ctr", "--broker", tier.url,
+                          "--workers", "2", "--epochs", "1", "--train", "20000", "--json"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=200,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0, out.stderr[-3000:]
+    ctr = json.loads(out.stdout.strip().splitlines()[-1])
+    # the tables' rows, read from the member holding each table
+    assert set(ctr["rows"]) == {"ctr.emb", "ctr.lin"} and all(ctr["rows"].values()), ctr
+    held = [{t["name"] for t in admin.status(u)["tensors"]}
+            | {t["name"] for t in admin.status(u).get("tables", [])} for u in tier.urls]
+    assert all(held) and not held[0] & held[1], held    # both members hold names, each once
+
+    with gradbus.connect(tier.url, timeout=60) as c:
+        c.init({n: np.zeros(N, np.float32) for n in NAMES}, optimizer=gradbus.SGD(lr=LR))
+        c.push({n: np.ones(N, np.float32) for n in NAMES}, codec="bf16").result(30)
+        c.pull(NAMES, min_version=1, timeout=30)
+        per = [m.compression_stats() for m in c.members]
+        total = c.compression_stats()
+        assert total["push_bytes"] == sum(p["push_bytes"] for p in per) > 0
+        assert total["ratio"] == pytest.approx(total["push_raw_bytes"] / total["push_bytes"])
+        each = [m.cache_stats for m in c.members]
+        assert c.cache_stats == {k: sum(e.get(k, 0) for e in each) for k in set().union(*each)}
+        assert c.cache_stats["snapshots"] > 0
+        assert c.url == tier.url and c.window == c.members[0].window

@@ -46,7 +46,7 @@ from .commands import CheckTable, Read, Refresh, Request, SendMessage, Stop, Tra
 from .credit import CreditWindow
 from .pipeline import PushPipeline
 from .push_ops import PushMethods
-from .resend import RESEND_AFTER, RESEND_MAX, ResendTimer
+from .resend import RECOVERING_RETRY, RESEND_AFTER, RESEND_MAX, ResendTimer
 from .shm_io import ClientShm
 from .table_ops import TableMethods
 from .versions import Versions
@@ -189,6 +189,11 @@ class Client(PushMethods, TableMethods):
     window = property(lambda self: self.credit.window)
     window_bytes = property(lambda self: self.credit.window_bytes)
     error_feedback = property(lambda self: self.pipeline.error_feedback)
+
+    @property
+    def cache_stats(self) -> dict:
+        """The weights cache's counters (updates taken, gaps, snapshots, ...), a copy."""
+        return dict(self.cache.stats)
     _credit_held = property(lambda self: self.credit.held)
     _residual = property(lambda self: self.pipeline.residual)
     _cons = property(lambda self: self.versions.cons)
@@ -218,11 +223,26 @@ class Client(PushMethods, TableMethods):
             self.agent.submit(Request(req, [wire.pack(kind, req=req, **fields)], fut))
         return fut.result(timeout if timeout is not None else self.timeout)
 
+    def _catalog(self, names: list) -> dict:
+        """The broker's CATALOG_REPLY for ``names``, asked again after a back-off while a
+        restarted broker says RECOVERING (its shards not all back), up to the timeout."""
+        deadline = time.monotonic() + self.timeout
+        delay = RECOVERING_RETRY
+        while True:
+            try:
+                return self._request(wire.CATALOG, names=names)
+            except GradbusError as e:
+                if e.code != Code.RECOVERING or time.monotonic() + delay > deadline:
+                    raise
+            self.stats["recovering_retries"] += 1
+            time.sleep(delay)
+            delay = min(2 * delay, 1.0)
+
     def _layouts(self, names) -> dict[str, TensorLayout]:
         missing = [n for n in names if n not in self.cache.layouts]
         found = {n: self.cache.layouts[n] for n in names if n in self.cache.layouts}
         if missing:
-            reply = self._request(wire.CATALOG, names=missing)
+            reply = self._catalog(missing)
             for t in reply["tensors"]:
                 found[t["name"]] = TensorLayout.from_wire(t)
                 self.versions.learn(t)

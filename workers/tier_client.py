@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from concurrent import futures
@@ -209,6 +210,34 @@ class TierClient:
         return self.members[self.first].codec
 
     @property
+    def url(self) -> str:
+        """The member this client reached first (its ``gradbus.connect`` URL's)."""
+        return self.members[self.first].url
+
+    window = property(lambda self: self.members[self.first].window)
+    window_bytes = property(lambda self: self.members[self.first].window_bytes)
+    error_feedback = property(lambda self: self.members[self.first].error_feedback)
+
+    def compression_stats(self) -> dict:
+        """The members' :meth:`Client.compression_stats` together: bytes and keys summed,
+        the residuals' norm over all of them."""
+        parts = [c.compression_stats() for c in self._live()]
+        out = {k: sum(p[k] for p in parts) for k in ("push_bytes", "push_raw_bytes",
+                                                      "error_feedback_keys",
+                                                      "accumulating_keys")}
+        out["ratio"] = out["push_raw_bytes"] / out["push_bytes"] if out["push_bytes"] else None
+        out["error_feedback_norm"] = math.sqrt(sum(p["error_feedback_norm"] ** 2 for p in parts))
+        return out
+
+    @property
+    def cache_stats(self) -> dict:
+        """The members' weights-cache counters, summed (:attr:`Client.cache_stats`)."""
+        total: collections.Counter = collections.Counter()
+        for c in self._live():
+            total.update(c.cache_stats)
+        return dict(total)
+
+    @property
     def stats(self) -> collections.Counter:
         """The members' counters, summed."""
         total: collections.Counter = collections.Counter()
@@ -250,4 +279,13 @@ class TierClient:
         self.close()
 
 
-__all__ = ["TierClient", "JoinedFuture"]
+def member_statuses(st: dict) -> list[dict]:
+    """The broker status maps in ``st``, what :meth:`Client.status` (one) or
+    :meth:`TierClient.status` (one per member, a member that did not answer left out)
+    returned."""
+    if "tier" in st and isinstance(st.get("members"), list) and "counters" not in st:
+        return [m for m in st["members"] if "error" not in m]
+    return [st]
+
+
+__all__ = ["TierClient", "JoinedFuture", "member_statuses"]

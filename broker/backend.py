@@ -105,9 +105,12 @@ class ShardEvents:
                 drop.append(p)      # failed over while it was away, or older: fenced
         for other, p in rec.pending_drops:   # copies a newer registration replaced
             sh = self.members.shards[other]
+            rec.stale_holders.setdefault(p, set()).add(other)
             if sh.alive:
                 actions.append(ToShard(sh.identity, [wire.pack(wire.DROP, ps=[p])]))
         rec.pending_drops.clear()
+        for p in drop:
+            rec.stale_holders.setdefault(p, set()).add(sid)
         if drop:
             self.meters.counters["fenced_partitions"] += len(drop)
             log.warning("shard %s: dropping %d partitions it holds from an older epoch",
@@ -136,6 +139,26 @@ class ShardEvents:
         (see :meth:`~.admission.Admission.claim`)."""
         return self.admission.claim(self.members.shards.get(h.shard), identity, key, h.token,
                                     now, self.settings.shard_deadline)
+
+    def rebuild_voters(self, lacking: list[int], now: float) -> list:
+        """A pair's active broker short of the votes for ``lacking`` partitions (protocol
+        section 23): catch up again the shards that registered here holding a copy of one of
+        them that was dropped as stale, the partition's own voters, so that their votes count
+        once they hold it. No other shard is given a copy (two sides of a cut could each
+        build a majority so), and no write is taken meanwhile."""
+        out: list = []
+        tb, stale = self.table, self.recovery.stale_holders
+        for p in lacking:
+            for sid in sorted(stale.pop(p, ())):
+                t = self.members.shards.get(sid)
+                if (t is None or not t.alive or tb.owners[p] is None or tb.holds(sid, p)
+                        or sid in tb.syncing.get(p, {}) or not tb.live(tb.owners[p])):
+                    continue
+                log.warning("partition %d lacks its votes: catching up shard %s, which held "
+                            "a stale copy", p, sid)
+                self.meters.counters["voters_rebuilt"] += 1
+                out += self.rebalance.start_catch_up(p, t, now)
+        return out
 
     def _adopt(self, s, p: int, state: tuple, nbytes: int) -> bool:
         """Whether a registering shard's copy of partition p (at ``state`` = (epoch, seq))

@@ -73,6 +73,9 @@ class Recovery:
         self.log_index = None                # this broker's own log, read for a REGISTER
         self.adopted: dict[int, tuple] = {}  # p -> (epoch, seq) of a copy taken from a
         self.pending_drops: list = []        # registration (restart / restore)
+        # p -> shards that registered holding a copy of p this broker dropped as stale: a
+        # pair's broker without the votes may catch those up, and no other (section 23)
+        self.stale_holders: dict[int, set[str]] = {}
         until = settings.replay_until
         for recs in (replay.by_p.values() if replay is not None else ()):
             for h, _ in recs:                # tensors the log created are known from the start

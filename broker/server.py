@@ -124,6 +124,7 @@ class BrokerServer:
         self.pair = self.pair_link = None
         self.deposed: Deposed | None = None     # set when the loop ended deposed
         self.quorate = False      # a pair's active broker has the votes to act (section 23)
+        self.lacking: list[int] = []    # the partitions short of them, when it has not
         self.rejudge = False      # ... to be judged again before the next batch goes out
         if peer is not None:
             if log is not None or core_kw.get("replay") is not None:
@@ -353,7 +354,7 @@ class BrokerServer:
             else:
                 log.warning("broker pair: every partition has a majority of its voters: "
                             "acting")
-        self.quorate, self.rejudge = not lack, False
+        self.quorate, self.rejudge, self.lacking = not lack, False, lack
         return self.quorate
 
     def _took_over(self, epoch: int, shard) -> None:
@@ -520,6 +521,9 @@ class BrokerServer:
                             self._acts(now)
                     elif self.pair.active:      # without the votes: heard by its shards only
                         self._pulse()
+                        # but a partition's own voters whose stale copies it dropped are
+                        # caught up, so that they count (section 23)
+                        self._do(self.core.shard_events.rebuild_voters(self.lacking, now))
                     self.shm_io.tick(now)
                     if self.on_metrics is not None:
                         self.on_metrics(self.core.metrics(now))

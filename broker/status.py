@@ -23,6 +23,9 @@ _BROKER_COUNTERS = (
      "Shards declared dead (silent past liveness, bye, or restarted)."),
     ("fenced_partitions", "fenced_partitions",
      "Stale partitions a returning shard was told to drop."),
+    ("pair_voters_rebuilt", "voters_rebuilt",
+     "A pair's broker without the votes: stale copies of its partitions' own voters caught "
+     "up again so that they count (protocol section 23)."),
     ("partition_moves", "moves", "Partition moves finished (rebalance, drain, a new shard)."),
     ("replayed_batches", "replayed", "Batches replayed from an update log."),
     ("standbys_synced", "standbys_synced",

@@ -169,3 +169,48 @@ def test_a_pair_with_curve_on_hands_over_too(make_cluster, tmp_path):
                                                 if n != first))
         assert c.stats["broker_switches"] == 1
     assert np.array_equal(w, np.full(N, -LR * 20, np.float32))
+
+
+def test_a_take_over_whose_second_copy_came_back_stale_rebuilds_it_and_acts(make_cluster):
+    """Two copies of every partition. One copy's shard is stopped, called dead and left
+    behind while the pair's active broker goes on with the other copy and its peer's vote;
+    then the active broker is killed and the stopped shard resumes. The new broker gets the
+    current copy from one shard and a stale one from the other, which it drops: the
+    partitions have one copy and no peer, short of their votes. It catches the stale shard
+    up (no write is taken meanwhile), then has both copies' votes and serves: every push
+    acknowledged before and after is applied once."""
+    import os
+
+    beat = ["--heartbeat-interval", "0.1", "--liveness", "5"]
+    cluster = make_cluster(2, brokers=2, replicas=2, broker_args=beat, shard_args=beat)
+    first = active(cluster)
+    other = next(n for n in cluster.broker_names if n != first)
+    with gradbus.connect(cluster.url, timeout=60) as c:
+        c.init({"w": np.zeros(N, np.float32)}, optimizer=gradbus.SGD(lr=LR))
+        c.push({"w": np.ones(N, np.float32)}, acks="all").result(60)
+        lagging = cluster.shard_procs["shard-1"]
+        os.kill(lagging.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: not next(s for s in admin.status(cluster.url)["shards"]
+                                      if s["id"] == "shard-1")["alive"], 30,
+                     "shard-1 called dead")
+            for _ in range(5):       # applied on shard-0 alone (its vote and the peer's)
+                c.push({"w": np.ones(N, np.float32)}, acks="all").result(60)
+            cluster.broker_procs[first].kill()
+        finally:
+            os.kill(lagging.pid, signal.SIGCONT)
+        try:
+            c.push({"w": np.ones(N, np.float32)}, acks="all").result(90)   # served again
+        except BaseException:
+            st = admin.status(cluster.broker_url(other), timeout=5)
+            print("STATUS", st["pair"], [(x["id"], x["alive"], x["partitions"], x.get("standby"))
+                                         for x in st["shards"]], st["partitions_down"],
+                  st["under_replicated"], st["counters"])
+            for name, p in [*cluster.broker_procs.items(), *cluster.shard_procs.items()]:
+                if p.stderr_tail is not None:
+                    print(f"--- {name}:\n{p.stderr_tail.text(1.0)[-3000:]}")
+            raise
+    known_answer(cluster, 7)
+    assert roles(cluster)[other][0] == "active"
+    assert admin.status(cluster.url)["counters"]["voters_rebuilt"] >= 1
+    replicas_agree(cluster.url)

@@ -30,10 +30,9 @@ import zmq
 
 from gradbus.codecs import cores, hops, net, security, wire
 from gradbus.codecs import shm as shmem
-from gradbus.codecs.errors import Code, WireError
+from gradbus.codecs.errors import WireError
 
 from . import log as ulog
-from . import quorum
 from .actions import (
     AppendLog,
     Capture,
@@ -51,6 +50,7 @@ from .flow import ByteCap
 from .inproc import InprocShards, welcome_of
 from .links import CLIENT, SHARD, Links
 from .pair import Deposed, Pair
+from .pair_gate import PairGate
 from .pair_link import PairLink
 from .shm_io import ShmIO
 
@@ -121,11 +121,8 @@ class BrokerServer:
         self.core.catalog.pulse = self._pulse
         self.stopping = threading.Event()
         self.send_failures = 0
-        self.pair = self.pair_link = None
+        self.pair = self.pair_link = self.gate = None
         self.deposed: Deposed | None = None     # set when the loop ended deposed
-        self.quorate = False      # a pair's active broker has the votes to act (section 23)
-        self.lacking: list[int] = []    # the partitions short of them, when it has not
-        self.rejudge = False      # ... to be judged again before the next batch goes out
         if peer is not None:
             if log is not None or core_kw.get("replay") is not None:
                 self.close()
@@ -141,10 +138,8 @@ class BrokerServer:
             except BaseException:
                 self.close()
                 raise
-            self.lease = quorum.lease(s.heartbeat_interval, s.liveness)
-            self.pair.vote_after = s.recovery_grace
-            self.core.pair_status = lambda now: {**self.pair.status(now),
-                                                 "quorum": self.pair.active and self.quorate}
+            self.gate = PairGate(self.core, self.pair, self.pair_link, clock, self._do,
+                                 self._deposed)
 
     def _open(self, curve, port: int, backend_port: int, events_port: int) -> None:
         if curve is not None:
@@ -279,7 +274,8 @@ class BrokerServer:
 
     def _handle(self, handler, identity: bytes, frames: list, roles=None,
                 key: str | None = None) -> None:
-        if self.pair is not None and not self._pair_gate(handler, identity, frames):
+        if self.gate is not None and not self.gate.admits(handler == self.handlers.on_backend,
+                                                          identity, frames):
             return
         try:
             if roles is not None:
@@ -293,99 +289,13 @@ class BrokerServer:
             return
         self._do(actions)
 
-    # -- a broker pair (protocol section 23) ----------------------------------------------------
-    def _pair_gate(self, handler, identity: bytes, frames: list) -> bool:
-        """Whether a message goes on to the core: all do on the active broker but a shard's
-        FENCED (which may depose it); on the standby a shard's HELLO does, and a REGISTER
-        that makes it the active one. Everything else is answered NOT_ACTIVE."""
-        pair, backend = self.pair, handler == self.handlers.on_backend
-        try:
-            h = wire.unpack_header(frames[0], wire.BACKEND_KINDS if backend
-                                   else wire.FRONTEND_KINDS)
-        except (WireError, IndexError):
-            return pair.active           # the core counts and answers it
-        kind = h["kind"]
-        if kind in ((wire.REGISTER, wire.BYE) if backend else (wire.INIT,)):
-            self.rejudge = True       # copies placed or gone: the votes judged again
-        if backend and kind == wire.ERROR and h["code"] == Code.FENCED.value \
-                and type(h.get("bepoch")) is int:
-            self._deposed(pair.fenced(h["bepoch"]), f"a shard has seen epoch {h['bepoch']}")
-            return False
-        if backend and kind == wire.REGISTER:
-            seen, was = h.get("bepoch"), pair.active
-            epoch = pair.claim(self.clock(), seen if type(seen) is int else 0)
-            if epoch is not None:
-                if not was:
-                    self._took_over(epoch, h.get("shard"))
-                return True
-            if was:       # the shard has seen a newer epoch: this broker was deposed
-                self._deposed(pair.deposed, f"shard {h.get('shard')!r} has seen epoch {seen}")
-        elif pair.active and (backend or self.quorate):
-            return True
-        elif (kind == wire.HELLO and h.get("role") == "shard") or kind == wire.STATUS:
-            return True          # a shard finds its backend; ops see the standby's role
-        if kind == wire.BYE:
-            return False
-        ids = {k: v for k in ("msg", "req") if type(v := h.get(k)) is int}
-        why = ("this broker of a pair lacks the votes to act (a majority of its partitions' "
-               "copies, with its peer when they are even)" if pair.active
-               else "this broker is the standby of its pair")
-        err = [wire.error(Code.NOT_ACTIVE, f"{why}; try the other", **ids)]
-        self.core.meters.errors[Code.NOT_ACTIVE.value] += 1
-        self._do([ToShard(identity, err)] if backend else [ToClient(identity, err)])
-        return False
-
-    def _acts(self, now: float) -> bool:
-        """Whether this broker of a pair acts now: active, with the votes of protocol section
-        23 for every partition it holds a counted copy of."""
-        if not self.pair.active:
-            self.quorate = False
-            return False
-        core = self.core
-        lack = quorum.lacking(now, core.settings.replicas, self.lease,
-                              ((s.last_seen, s.alive, s.partitions)
-                               for s in core.members.shards.values()),
-                              self.pair.peer_votes(now))
-        if (not lack) != self.quorate:
-            if lack:
-                log.warning("broker pair: %d partitions lack a majority of their voters "
-                            "(first %d): acting for none until they have it", len(lack),
-                            lack[0])
-            else:
-                log.warning("broker pair: every partition has a majority of its voters: "
-                            "acting")
-        self.quorate, self.rejudge, self.lacking = not lack, False, lack
-        return self.quorate
-
-    def _took_over(self, epoch: int, shard) -> None:
-        core, now = self.core, self.clock()
-        core.broker_epoch = epoch
-        core.recovery.started = core.recovery.now = now   # hearing from its shards from now
-        why = ("both were standby, and this one ranks higher" if self.pair.peer_alive(now)
-               else "the peer is silent")
-        log.warning("broker pair: this broker is active now, epoch %d (shard %r registered; "
-                    "%s)", epoch, shard, why)
-        self.pair_link.beat(self.pair.beat())
-
+    # -- a broker pair (protocol section 23: broker/pair_gate.py) ------------------------------
     def _deposed(self, deposed: Deposed | None, why: str) -> None:
         if deposed is None or self.deposed is not None:
             return
         log.warning("broker pair: deposed (%s); starting again as the standby", why)
         self.deposed = deposed
         self.stopping.set()
-
-    def _pair_tick(self, now: float, beat: bool = True) -> None:
-        """What the pair link brought (``beat``: and say this broker's role)."""
-        pair, lnk = self.pair, self.pair_link
-        for up in lnk.events():
-            pair.link(up)
-        for h in lnk.heard():
-            self._deposed(pair.peer(now, h.role, h.epoch, h.run),
-                          f"the peer is active at epoch {h.epoch}")
-        if pair.deposed is not None:
-            self._deposed(pair.deposed, "a shard registered naming a newer epoch")
-        if beat:
-            lnk.beat(pair.beat())
 
     def _drain_links(self, fds, role: bytes) -> int:
         """What the links ``fds`` (of peers with ``role``) sent, to the frontend's or the
@@ -462,7 +372,7 @@ class BrokerServer:
                 if hops.ON:
                     hops.woke()
                 if pair_socks and any(s in events for s in pair_socks):
-                    self._pair_tick(self.clock(), beat=False)
+                    self.gate.tick(self.clock(), beat=False)
                 if self.events in events:
                     self._drain_subscriptions()
                 if links is not None:
@@ -485,8 +395,8 @@ class BrokerServer:
                 now = self.clock()
                 # a pair's broker judges its votes again before batches go out when a
                 # REGISTER or BYE may have placed copies or taken them away since the tick
-                if self.core.has_flushable() and (self.pair is None or (
-                        self._acts(now) if self.rejudge else self.quorate)):
+                if self.core.has_flushable() and (self.gate is None
+                                                  or self.gate.may_flush(now)):
                     # Work a shard could take now. (Entries waiting on a shard without credit
                     # do not count: the loop sleeps in poll until an APPLIED returns credit.)
                     if first_pending is None:
@@ -513,17 +423,16 @@ class BrokerServer:
                         now = self.clock()
                     if self.handshakes is not None:   # refused CURVE handshakes, in errors
                         self.handshakes.drain(self.core.errors)
-                    if self.pair is not None:
-                        self._pair_tick(now)
-                    if self.pair is None or self._acts(now):   # a standby serves nobody
+                    gate = self.gate
+                    if gate is not None:
+                        gate.tick(now)
+                    if gate is None or gate.acts(now):   # a standby serves nobody
                         self._do(self.handlers.on_tick(now))
-                        if self.pair is not None:    # the tick may have placed copies
-                            self._acts(now)
+                        if gate is not None:    # the tick may have placed copies
+                            gate.acts(now)
                     elif self.pair.active:      # without the votes: heard by its shards only
                         self._pulse()
-                        # but a partition's own voters whose stale copies it dropped are
-                        # caught up, so that they count (section 23)
-                        self._do(self.core.shard_events.rebuild_voters(self.lacking, now))
+                        self._do(gate.without_votes(now))
                     self.shm_io.tick(now)
                     if self.on_metrics is not None:
                         self.on_metrics(self.core.metrics(now))

@@ -188,7 +188,7 @@ def test_a_lone_standby_answers_not_active_then_a_shard_makes_it_active(lone_pai
     again = BrokerServer("127.0.0.1", 0, shm=False, peer=srv.pair_link.peer, peer_port=0,
                          pair=srv.pair)
     try:
-        again._pair_tick(again.clock())
+        again.gate.tick(again.clock())
         assert again.deposed is None and again.pair.epoch == 9 and not again.pair.active
     finally:
         again.close()

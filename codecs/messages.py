@@ -33,6 +33,7 @@ from .nested import (  # noqa: F401  (re-exported: the nested types handlers mat
     MAX_TOKEN,
     AppliedPart,
     BatchPart,
+    DropEntry,
     HeldTensor,
     InitEntry,
     Invalid,
@@ -174,6 +175,8 @@ class Init(Tensors):
     tables: object            # None, Invalid (not a list), or TableSpec/Invalid per entry
     cons: dict                # normalized (specs.consistency_from_wire)
     t: list
+    imp: object = None        # a tier move's import: entries carrying exported state
+    drop: object = None       # a tier move's end: names to forget (broker/tier_moves.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,7 +241,7 @@ class Checkpoint:
     of: int | None
 
 
-ADMIN_OPS = ("rebalance", "drain")
+ADMIN_OPS = ("rebalance", "drain", "tier")
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +250,7 @@ class Admin:
     req: int
     op: str                   # one of ADMIN_OPS
     shard: str | None         # drain only
+    args: dict | None = None  # tier only: the step and its fields (broker/tier_moves.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,6 +334,8 @@ class StateReq:
     p: int
     to: str
     shm: bool                 # the standby reads shared memory: STATE may reference it
+    names: frozenset | None = None   # a tier move's export: only these names' keys ...
+    req: int | None = None           # ... answering this request
 
 
 @dataclass(frozen=True, slots=True)
@@ -342,6 +348,7 @@ class State(Tensors):
     blocks: tuple             # StateBlock or StateRows, in frame order
     recent: tuple             # (c, m, key)
     t: list
+    req: int | None = None    # a tier move's export (STATE_REQ ``req``): for the mover
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,7 +440,7 @@ def _init(h, P):
     except ValueError as e:
         raise WireError(Code.BAD_FIELD, f"init: cons {e}") from None
     return Init(h["msg"], opt, init_tensors(tensors), init_tables(h.get("tables")), cons,
-                h.get("t", []))
+                h.get("t", []), h.get("imp"), h.get("drop"))
 
 
 def _snapshot(h, P):
@@ -477,6 +484,9 @@ def _catalog(h, P):
 def _admin(h, P):
     if h["op"] not in ADMIN_OPS:
         raise WireError(Code.BAD_FIELD, f"admin: unknown op {h['op']!r}")
+    if h["op"] == "tier":
+        return Admin(h["req"], "tier", None, {k: v for k, v in h.items()
+                                              if k not in ("kind", "req", "op")})
     return Admin(h["req"], h["op"], opt(h.get("shard"), str))
 
 
@@ -542,13 +552,20 @@ def _p(h, P) -> int:
     return p
 
 
+def _state_req(h, P):
+    names = h.get("names")
+    if names is not None:
+        names = frozenset(str_list(names, "state_req", "names"))
+    return StateReq(_p(h, P), h["to"], h.get("shm") is True, names, opt_int(h.get("req"), 0))
+
+
 def _state(h, P):
     blocks = tuple(state_block(b) for b in h["blocks"])
     if sum(b.nframes for b in blocks) != len(h.get("t", [])):
         raise WireError(Code.BAD_FIELD, "state: blocks name another number of frames than t "
                                         "holds")
     return State(_p(h, P), h["to"], h["seq"], h["epoch"], blocks, recent(h.get("recent")),
-                 h.get("t", []))
+                 h.get("t", []), opt_int(h.get("req"), 0))
 
 
 _BUILD = {
@@ -562,7 +579,7 @@ _BUILD = {
     wire.HEARTBEAT: _heartbeat, wire.BYE: lambda h, P: Bye(), wire.STOP: lambda h, P: Stop(),
     wire.ERROR: _error, wire.REGISTER: _register, wire.REGISTERED: _registered,
     wire.ADOPT: lambda h, P: Adopt(_p(h, P)),
-    wire.STATE_REQ: lambda h, P: StateReq(_p(h, P), h["to"], h.get("shm") is True),
+    wire.STATE_REQ: _state_req,
     wire.STATE: _state,
     wire.SYNCED: lambda h, P: Synced(_p(h, P), h["seq"]),
     wire.DROP: lambda h, P: Drop(tuple(p for p in h["ps"] if type(p) is int)),

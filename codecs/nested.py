@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from . import specs, tensor, wire
 from .errors import Code, WireError
 from .partition import MAX_NAME_LEN, TensorLayout, split_key, split_row_key
@@ -191,19 +193,83 @@ class PushEntry:
 @dataclass(frozen=True, slots=True)
 class InitEntry:
     """A dense block to create: its layout, initializer and optimizer (``i``: the index of
-    its given values, or None)."""
+    its given values, or None). ``st``: an imported block (a tier move, protocol 24.4): its
+    whole state, the values at ``i`` and the optimizer's arrays after them, replacing any
+    block of that key."""
     key: str
     layout: TensorLayout
     rule: dict
     opt: dict
     i: int | None
+    st: "ImportedState | None" = None
 
 
 @dataclass(frozen=True, slots=True)
 class TableInitEntry:
-    """A table's rows in one partition to create (``table``: the settings, as sent)."""
+    """A table's rows in one partition to create (``table``: the settings, as sent); with
+    ``st`` and ``i``, imported rows replacing any of that key (a tier move)."""
     key: str
     table: dict
+    st: "ImportedState | None" = None
+    i: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ImportedState:
+    """A block's or table's exported state as a tier move carries it in an init entry:
+    ``version``, its arrays as ``(name, dtype, shape)`` back to back in the entry's one raw
+    frame (a block's values first, named ``""``) and its scalar state."""
+    version: int
+    arrays: tuple
+    scalars: dict
+
+    def split(self, buf) -> list:
+        """The arrays, views of ``buf`` (the entry's frame, decoded); ValueError when its
+        length is not theirs."""
+        flat = np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+        out, pos = [], 0
+        for _name, dt, shape in self.arrays:
+            n = dt.itemsize * int(np.prod(shape, dtype=np.int64))
+            out.append(flat[pos:pos + n].view(dt).reshape(shape))
+            pos += n
+        if pos != flat.size:
+            raise ValueError(f"an imported state of {pos} bytes in a frame of {flat.size}")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class DropEntry:
+    """A block or table key to forget (its name moved to another tier member)."""
+    key: str
+
+
+def _array_spec(a) -> tuple:
+    if not (type(a) is list and len(a) == 3 and type(a[0]) is str and type(a[1]) is str
+            and type(a[2]) is list and all(type(x) is int and 0 <= x < 2 ** 40 for x in a[2])):
+        raise WireError(Code.BAD_FIELD, "init entry: st arrays are [name, dtype, shape]")
+    try:
+        dt = np.dtype(a[1])
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in "fiu" or dt.itemsize > 8:
+        raise WireError(Code.BAD_FIELD, f"init entry: st dtype {a[1]!r} is not a number's")
+    return a[0], dt, tuple(a[2])
+
+
+def _imported(st, nt: int, i) -> ImportedState:
+    """An init entry's ``st``, whose one frame ``i`` is in the batch."""
+    if type(st) is not dict:
+        raise WireError(Code.BAD_FIELD, "init entry: st must be a map")
+    version, arrays, scalars = st.get("version"), st.get("arrays"), st.get("scalars", {})
+    if type(version) is not int or version < 0:
+        raise WireError(Code.BAD_FIELD, "init entry: st version must be an int >= 0")
+    if type(arrays) is not list or not arrays:
+        raise WireError(Code.BAD_FIELD, "init entry: st arrays must be a non-empty list")
+    if type(scalars) is not dict or not all(type(k) is str for k in scalars):
+        raise WireError(Code.BAD_FIELD, "init entry: st scalars must be a map of names")
+    if type(i) is not int or not 0 <= i < nt:
+        raise WireError(Code.BAD_FIELD, "init entry: st needs i indexing its frame")
+    return ImportedState(version, tuple(_array_spec(a) for a in arrays), scalars)
 
 
 def _init_entry(ent: dict, nt: int):
@@ -214,6 +280,9 @@ def _init_entry(ent: dict, nt: int):
         if split_row_key(key) is None:
             raise WireError(Code.BAD_FIELD, f"init entry: {key!r} is not a row key")
         specs.table_from_wire(ent["table"])
+        if "st" in ent:
+            i = ent.get("i")
+            return TableInitEntry(key, ent["table"], _imported(ent["st"], nt, i), i)
         return TableInitEntry(key, ent["table"])
     layout = layout_from_wire(ent.get("layout"), "init entry")
     try:
@@ -229,7 +298,16 @@ def _init_entry(ent: dict, nt: int):
     i = ent.get("i")
     if i is not None and (type(i) is not int or i >= nt):
         raise WireError(Code.BAD_FIELD, f"init entry {key}: i must index the batch's tensors")
+    if "st" in ent:
+        return InitEntry(key, layout, rule, opt, i, _imported(ent["st"], nt, i))
     return InitEntry(key, layout, rule, opt, i if i is not None and i >= 0 else None)
+
+
+def _drop_entry(ent: dict, nt: int):
+    key = ent.get("key")
+    if type(key) is not str or not key:
+        raise WireError(Code.BAD_FIELD, "drop entry: key must be a non-empty string")
+    return DropEntry(key)
 
 
 def _push_entry(ent: dict, nt: int):
@@ -260,6 +338,8 @@ def batch_entry(ent, nt: int):
         return _push_entry(ent, nt)
     if op == "init":
         return _deferred("init entry", _init_entry, ent, nt)
+    if op == "drop":
+        return _deferred("drop entry", _drop_entry, ent, nt)
     return Invalid(Code.BAD_FIELD, f"unknown entry op {op!r}")
 
 

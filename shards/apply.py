@@ -25,11 +25,12 @@ import numpy as np
 
 from gradbus.codecs import device, stats, values, wire
 from gradbus.codecs.errors import Code, WireError
-from gradbus.codecs.messages import BatchPart, InitEntry, PushEntry, TableInitEntry
+from gradbus.codecs.messages import BatchPart, DropEntry, InitEntry, PushEntry, TableInitEntry
 from gradbus.codecs.partition import split_key
 from gradbus.codecs.passes import Passes
 
 from . import backend as backend_mod
+from .imports import Imports
 from .rows import RowBatch
 from .store import ParameterStore, PartitionState
 
@@ -122,6 +123,7 @@ class Applier:
         self._on_host = backend.xp is np   # raw/fp16/bf16 frames summed as they are read
         self._scratch: dict = {}        # by dtype (its .name is slow to compute)
         self._accs: dict[str, np.ndarray] = {}
+        self.imports = Imports(store, backend, max_tensor_bytes)
         self.h_pushes = stats.Histogram(stats.COUNT_BUCKETS)  # gradients summed per key
 
     # -- the steps ---------------------------------------------------------------------------
@@ -161,9 +163,18 @@ class Applier:
                 else:
                     self._push_dense(idx, ent, descs[i], frames[i], work)
             elif t is TableInitEntry:
-                self.store.create_table(ent.key, work.p, ent.table)
+                if ent.st is not None:
+                    self.imports.table(ent, descs, frames, work.p)
+                else:
+                    self.store.create_table(ent.key, work.p, ent.table)
             elif t is InitEntry:
-                self._init_block(ent, descs, frames, work)
+                if ent.st is not None:
+                    blk = self.imports.block(ent, descs, frames, work.p)
+                    work.changed[blk.key] = blk
+                else:
+                    self._init_block(ent, descs, frames, work)
+            elif t is DropEntry:
+                self.forget(self.store.drop_key(ent.key))
             else:
                 ent.raise_()
         except WireError as e:

@@ -110,7 +110,8 @@ class ShardCore:
             return []
         if kind == wire.STATE_REQ:
             return [self.replication.export(m.p, m.to,
-                                            self.publisher.replies if m.shm else None)]
+                                            self.publisher.replies if m.shm else None,
+                                            m.names, m.req)]
         if kind == wire.STATE:
             return self.replication.install(m, descs, frames[1:], self._apply_now)
         if kind == wire.DROP:

@@ -16,9 +16,10 @@ import numpy as np
 from gradbus.codecs import wire
 from gradbus.codecs.messages import StateRows
 from gradbus.codecs.partition import split_row_key
+from gradbus.codecs.tier import name_of
 
+from .imports import put_block, put_table
 from .publish import host_copy
-from .rows import RowTable
 from .shm_io import place_reply
 from .store import ParameterStore
 
@@ -78,15 +79,17 @@ class Replication:
             self.stats["dropped"] += 1
 
     # -- export and install ------------------------------------------------------------------
-    def export(self, p: int, to: str, area=None) -> list:
+    def export(self, p: int, to: str, area=None, names=None, req: int | None = None) -> list:
         """The whole state of partition ``p`` (values, optimizer state, versions, seq) for the
         standby ``to``: installed there, it equals this shard's state as of this seq. With
         ``area`` (a reply area: the standby reads shared memory) the bytes go there when they
-        fit; a checkpoint's states never do."""
+        fit; a checkpoint's states never do. ``names`` (a tier move's export, answering
+        request ``req``): only the blocks and rows of these tensors and tables."""
         pst = self.store.partition(p)
         frames = area is None
         metas, descs, bufs = [], [], []
-        for key in sorted(pst.keys):
+        keep = (lambda key: True) if names is None else (lambda key: name_of(key) in names)
+        for key in sorted(k for k in pst.keys if keep(k)):
             blk = self.store.blocks[key]
             arrays = sorted(k for k, v in blk.state.items() if not isinstance(v, (int, float)))
             scalars = {k: v for k, v in blk.state.items() if isinstance(v, (int, float))}
@@ -97,7 +100,7 @@ class Replication:
                 d, buf = wire.encode_tensor(key, host, "raw", hashed=frames)
                 descs.append(d)
                 bufs.append(buf)
-        for key in sorted(pst.tables):
+        for key in sorted(k for k in pst.tables if keep(k)):
             scalars, arrays = self.store.tables[key].export()
             metas.append({"key": key, "table": self.store.tables[key].cfg, "scalars": scalars,
                           "arrays": [name for name, _ in arrays]})
@@ -107,8 +110,9 @@ class Replication:
                 bufs.append(buf)
         bufs = place_reply(area, descs, bufs, self.stats)
         self.stats["states_sent"] += 1
+        extra = {} if req is None else {"req": req}
         return [wire.pack(wire.STATE, descs, p=p, to=to, seq=pst.seq, epoch=pst.epoch,
-                          blocks=metas, recent=[list(r) for r in pst.recent]), *bufs]
+                          blocks=metas, recent=[list(r) for r in pst.recent], **extra), *bufs]
 
     def install_state(self, h, descs, frames) -> int:
         """Replace partition ``h.p`` with an exported state (a typed STATE, from a primary or a
@@ -126,19 +130,13 @@ class Replication:
                         for name, d, f in zip(meta.arrays, descs[pos:pos + n],
                                               frames[pos:pos + n])}
                 pos += n
-                pool = self.store.pool(meta.key, meta.table)
-                self.store.install_table(meta.key, p, RowTable.install(
-                    meta.table, meta.scalars, arrs, pool))
+                put_table(self.store, meta.key, p, meta.table, meta.scalars, arrs)
                 continue
             arrs = [wire.decode_tensor(d, f, self.max_tensor_bytes, verify=d.ref is None)
                     for d, f in zip(descs[pos:pos + n], frames[pos:pos + n])]
             pos += n
-            blk, _ = self.store.create(meta.key, p, meta.layout, {"name": "given"}, meta.opt,
-                                       arrs[0])
-            for name, arr in zip(meta.arrays, arrs[1:]):
-                blk.state[name][...] = self.backend.asarray(arr)
-            blk.state.update(meta.scalars)
-            blk.version = meta.version
+            put_block(self.store, self.backend, meta.key, p, meta.layout, meta.opt, arrs,
+                      meta.arrays, meta.scalars, meta.version)
         pst.seq, pst.epoch = seq, epoch
         for r in h.recent:
             pst.recent[r] = None

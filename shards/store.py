@@ -234,6 +234,22 @@ class ParameterStore:
                 tbl.release()
         return keys
 
+    def drop_key(self, key: str) -> list[str]:
+        """Forget one block or table's rows (its name moved to another tier member); returns
+        the block keys dropped."""
+        blk = self.blocks.pop(key, None)
+        if blk is not None:
+            st = self.partitions.get(blk.p)
+            if st is not None:
+                st.keys.discard(key)
+            return [key]
+        tbl = self.tables.pop(key, None)
+        if tbl is not None:
+            tbl.release()
+            for st in self.partitions.values():
+                st.tables.discard(key)
+        return []
+
     @property
     def rows(self) -> int:
         return sum(t.rows for t in self.tables.values())

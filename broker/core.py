@@ -39,7 +39,7 @@ from dataclasses import replace
 from gradbus.codecs import hops, messages, wire
 from gradbus.codecs.errors import Code, WireError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS, row_key, split_key, table_partitions
-from gradbus.codecs.tier import TierMap
+from gradbus.codecs.tier import TierMap, name_of
 
 from . import status as _status
 from .acked import AckMarks
@@ -73,6 +73,7 @@ from .settings import (  # noqa: F401
 )
 from .settlement import Pending, Settlement
 from .tier_gate import TierGate
+from .tier_moves import TierMoves
 
 log = logging.getLogger("gradbus.broker")
 
@@ -90,7 +91,7 @@ def _ids(m) -> dict:
 class BrokerCore:
     def __init__(self, partitions: int = DEFAULT_PARTITIONS, *, settings: Settings | None = None,
                  replay=None, wall_clock=None, now: float = 0.0, tier: TierMap | None = None,
-                 tier_index: int = 0, **overrides):
+                 tier_index: int = 0, tier_map_file: str | None = None, **overrides):
         """``overrides``: fields of :class:`~.settings.Settings`; ``replay``: a log index to
         replay (:class:`~.log.LogIndex`); ``wall_clock``: the time that row expiry counts
         from and the log records (default ``time.time``); ``tier``: the broker tier's map,
@@ -113,13 +114,14 @@ class BrokerCore:
         self.broker_epoch = 0
         self.pair_status = None     # the pair's role and epoch for STATUS (the loop sets it)
         self.meters = m = Meters()
-        self.tier = TierGate(tier, tier_index, partitions, m.counters)
+        self.tier = TierGate(tier, tier_index, partitions, m.counters, tier_map_file)
         self.members = Membership(s)
         self.acked = AckMarks(partitions)      # p -> the newest (epoch, seq) answered for
         self.admission = Admission(m.errors)   # roles per message, register takeovers
         self.table = PartitionTable(partitions, s.replicas, self.members.shards,
                                     self.acked.lost_message)
         self.table.run = self.run          # TABLE names it too
+        self.table.tier = self.tier.table_fields
         self.catalog = Catalog(partitions, s, m, lambda what, known:
                                self.recovery.check_recovering(what, known))
         self.consistency = Consistency(s, m, self.members)
@@ -134,6 +136,7 @@ class BrokerCore:
         self.rebalance = Rebalance(partitions, s, m, self.members, self.table, self.sequencer,
                                    self.settlement, now)
         self.shard_events = ShardEvents(self)
+        self.tier_moves = TierMoves(self)
         # the containers tests and tools read, by their old names (the same objects)
         tb, sq, rb = self.table, self.sequencer, self.rebalance
         self.owners, self.standbys, self.syncing = tb.owners, tb.standbys, tb.syncing
@@ -250,6 +253,9 @@ class BrokerCore:
         except WireError as e:
             return [self.meters.err(identity, e.code, str(e.args[0]))]
         refused = self._forbidden(identity, h, roles, False)
+        if refused is None and h["kind"] == wire.INIT and ("imp" in h or "drop" in h):
+            # a tier move's import or drop is an ops command's: the role ADMIN needs
+            refused = self._forbidden(identity, {**h, "kind": wire.ADMIN}, roles, False)
         if refused is not None:
             return [refused]
         kind = h["kind"]
@@ -281,6 +287,11 @@ class BrokerCore:
         if kind in (wire.DIGEST, wire.CHECKPOINT):
             return self.reads.fanout(identity, m)
         if kind == wire.ADMIN:
+            if m.op == "tier":
+                try:
+                    return self._coalesce(self.tier_moves.admin(identity, m))
+                except WireError as e:
+                    return [self.meters.err(identity, e.code, str(e.args[0]), req=m.req)]
             return self._coalesce(self.rebalance.admin(identity, m, now))
         client = self.members.client(identity, now)
         try:
@@ -293,8 +304,10 @@ class BrokerCore:
             if kind == wire.INIT:
                 return self._init(client, m, frames[1:])
             if kind == wire.SNAPSHOT:
+                self.tier.check(name_of(k) for k in m.keys)   # held elsewhere: MOVED
                 return self.reads.snapshot(client, m)
             if kind == wire.ROWS:
+                self.tier.check((m.table,))
                 return self.reads.rows(client, m)
             if kind == wire.CATALOG:
                 self.tier.check_catalog(m.names, self.catalog)   # held elsewhere: MOVED
@@ -364,6 +377,8 @@ class BrokerCore:
         replay = self.settlement.replay(client, msg)
         if replay is not None:
             return replay
+        if h.imp is not None or h.drop is not None:     # a tier move's (24.4)
+            return self._coalesce(self.tier_moves.init(client, h, frames))
         self.tier.check_init(h)
         plan = self.catalog.plan_init(h, frames, self.table)
         if (plan.blocks or plan.tables) and not self.members.live_shards():
@@ -474,12 +489,16 @@ class BrokerCore:
                 s.info = m.info
             return []
         if kind == wire.APPLIED:
-            return self._coalesce(ev.applied(s, m, updates, now))
+            out = ev.applied(s, m, updates, now)
+            if self.tier_moves.fences:
+                out += self.tier_moves.drained()
+            return self._coalesce(out)
         if kind in (wire.SNAPSHOT_REPLY, wire.ROWS_REPLY, wire.DIGEST_REPLY,
                     wire.CHECKPOINT_REPLY):
             return self.reads.replied(s, m, frames)
         if kind == wire.STATE:
-            return ev.forward_state(s, m, frames)
+            mover = self.tier_moves.exported(m, frames)
+            return mover if mover is not None else ev.forward_state(s, m, frames)
         if kind == wire.SYNCED:
             return self._coalesce(ev.synced(s, m, now))
         if kind == wire.ERROR:
@@ -510,6 +529,8 @@ class BrokerCore:
         self.recovery.tick(now, actions)
         if rb.draining or rb.wanted:
             actions += rb.plan(now)
+        if self.tier_moves.fences:
+            actions += self.tier_moves.drained()
         if now - self.last_hb_sent >= st.heartbeat_interval:
             self.last_hb_sent = now
             hb = wire.pack(wire.HEARTBEAT)

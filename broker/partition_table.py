@@ -20,6 +20,7 @@ class PartitionTable:
         back (the broker's acknowledged marks know)."""
         self.P = partitions
         self.run: int | None = None     # the broker's run id, named in TABLE
+        self.tier = None                # a tier member's: TABLE's fields naming its map
         self.lost_message = lost_message or (lambda p: f"partition {p} is lost")
         self.replicas = replicas
         self.shards = shards                                      # id -> ShardInfo (membership's)
@@ -80,10 +81,11 @@ class PartitionTable:
     def message(self) -> list:
         """The TABLE message published on events."""
         run = {} if self.run is None else {"run": self.run}
+        tier = self.tier() if self.tier is not None else {}
         return [wire.TOPIC_TABLE, wire.pack(wire.TABLE, version=self.version,
                                             owners=[o or "" for o in self.owners],
                                             standbys=self.standbys, epochs=self.epochs,
-                                            down=self.down(), **run)]
+                                            down=self.down(), **run, **tier)]
 
     # ------------------------------------------------------------------ writes
     def bump(self) -> None:

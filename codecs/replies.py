@@ -117,6 +117,7 @@ class Table:
     epochs: tuple | None
     down: tuple
     run: int | None = None    # the broker process's run id
+    tier: dict | None = None  # a tier member's map (protocol 24), as sent
 
 
 # ------------------------------------------------------------------ builders
@@ -175,7 +176,7 @@ def _table(h, P):
                  tuple(epochs) if type(epochs) is list and all(type(e) is int for e in epochs)
                  else None,
                  tuple(x for x in down if type(x) is int) if type(down) is list else (),
-                 run_id(h.get("run")))
+                 run_id(h.get("run")), h.get("tier") if type(h.get("tier")) is dict else None)
 
 
 BUILD = {

@@ -14,6 +14,8 @@ comma-separated. The first map (version 1) spreads home partitions round-robin,
 """
 from __future__ import annotations
 
+import json
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -73,6 +75,19 @@ class TierMap:
     def owner(self, name: str) -> int:
         return self.owners[home_of(name, len(self.owners))]
 
+    def moved(self, homes, to: int, members=None) -> "TierMap":
+        """The next version: ``homes`` given to member ``to`` (of ``members``: this map's,
+        or those with new ones added at the end)."""
+        ms = self.members if members is None else tuple(members)
+        own = list(self.owners)
+        for h in homes:
+            own[h] = to
+        return TierMap(self.version + 1, ms, tuple(own))
+
+    def homes(self, i: int) -> list[int]:
+        """The home partitions member ``i`` holds."""
+        return [h for h, o in enumerate(self.owners) if o == i]
+
     def url(self, i: int) -> str:
         """Member ``i`` as a client takes it (a pair's URLs comma-separated)."""
         return ",".join(self.members[i])
@@ -97,6 +112,34 @@ class TierMap:
         if version < 1 or not ms or not own or any(not 0 <= o < len(ms) for o in own):
             raise ValueError("not a tier map: version, members or owners out of range")
         return cls(version, ms, own)
+
+    def to_json(self) -> dict:
+        """The map as JSON takes it (status, the map file)."""
+        return {"v": self.version, "members": [list(m) for m in self.members],
+                "owners": list(self.owners)}
+
+    def save(self, path: str) -> None:
+        """Write the map to ``path`` (whole or not at all: a temporary file renamed)."""
+        tmp = f"{path}.tmp"
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "TierMap | None":
+        """The map kept at ``path``; None where there is none yet; ValueError for a file
+        that holds no map."""
+        try:
+            with open(path) as f:
+                d = json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a tier map ({e})") from None
+        return cls.from_wire(d)
 
     def describe(self) -> list[dict]:
         """Each member and its share of home partitions, for status."""

@@ -61,6 +61,7 @@ from .commands import (
     Watch,
 )
 from .follow_state import FollowState
+from .moved import moved_push
 from .reads_state import ReadState
 from .resend import ResendTimer
 
@@ -330,7 +331,7 @@ class AgentState:
     def _settle_one(self, kind: str, msg: int, h) -> bool:
         """Resolve the Future of push or init ``msg``; False when it is to be sent again
         instead, or was settled before (an answer to a resend: counted once)."""
-        resend = self.resend
+        resend, moved = self.resend, None
         if resend is not None:
             if (kind == wire.ERROR and h.code == Code.RECOVERING.value
                     and resend.refused_recovering(msg, self.clock())):
@@ -342,6 +343,9 @@ class AgentState:
                 # the broker at its byte cap kept nothing of it: send it again after a back-off
                 self.stats["busy_retries"] += 1
                 return False
+            if kind == wire.ERROR and h.code == Code.MOVED.value and msg in resend.unsettled:
+                # a tier member no longer holds the name: the bytes go to the one that does
+                moved = moved_push(resend.unsettled[msg][0], self.shm)
             resend.settled(msg, self.clock())
             if msg in self.free_later:       # the broker freed it before it answered
                 self.free_later.discard(msg)
@@ -353,6 +357,8 @@ class AgentState:
         if kind == wire.ERROR:
             self.stats["push_errors"] += 1
             err = error_from(h.code, h.message)
+            if moved is not None:
+                err.moved_push = moved
             if fut is None:
                 self.async_errors.append(err)
             elif not fut.done():
@@ -411,6 +417,8 @@ class AgentState:
             with self.cond:
                 self.cache.down = set(h.down)
                 self.cache.tables += 1
+                if h.tier is not None:     # a tier member's map: the tier client follows it
+                    self.cache.tier = h.tier
                 moved = self.cache.on_table(h.epochs, h.owners, self.cache.down) \
                     if h.epochs is not None else ()
                 self.cond.notify_all()

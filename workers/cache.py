@@ -124,6 +124,7 @@ class WeightCache:
         self.parts: dict[int, Part] = {}
         self.down: set[int] = set()
         self.tables = 0          # TABLE messages taken: a pull that asked for one waits on it
+        self.tier: dict | None = None   # the tier map the last TABLE named (as sent)
         self.stats = {"updates": 0, "stale_updates": 0, "gaps": 0, "snapshots": 0,
                       "board_reads": 0, "board_rewritten": 0, "live_reads": 0}
         # name -> its last read while no block changed (a weakref where its blocks hold the

@@ -19,56 +19,19 @@ import logging
 import math
 import threading
 import time
-from concurrent import futures
 from concurrent.futures import Future
 
-from gradbus.codecs.errors import BrokerUnavailableError
+from gradbus.codecs.errors import BrokerUnavailableError, Code, GradbusError, MovedError
 from gradbus.codecs.tier import TierMap
 
 from .client import DEFAULT_TIMEOUT, Client
+from .tier_routes import FollowsMoves, JoinedFuture, RoutedFuture
 
 log = logging.getLogger("gradbus.client")
 REACH_TIMEOUT = 5.0      # seconds a member not yet connected is given to answer a HELLO
 
 
-class JoinedFuture(Future):
-    """Resolved once every part is: with the parts' results in order, or with the first
-    exception a part raised. ``result()`` waits on each part in turn, so a part that reads its
-    answer off a local link in the caller's thread still does."""
-
-    def __init__(self, parts: list):
-        super().__init__()
-        self.parts = parts
-        self._left = len(parts)
-        self._mu = threading.Lock()
-        for f in parts:
-            f.add_done_callback(self._part_done)
-
-    def _part_done(self, f: Future) -> None:
-        with self._mu:
-            self._left -= 1
-            if self.done():
-                return
-            err = f.exception()
-            if err is not None:
-                self.set_exception(err)
-            elif self._left == 0:
-                self.set_result({"kind": "ACK", "parts": [p.result() for p in self.parts]})
-
-    def result(self, timeout: float | None = None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for f in self.parts:
-            try:
-                f.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
-            except (TimeoutError, futures.TimeoutError):
-                raise
-            except BaseException:
-                break       # this Future carries it
-        return super().result(None if deadline is None
-                              else max(0.0, deadline - time.monotonic()))
-
-
-class TierClient:
+class TierClient(FollowsMoves):
     """A connection to every member of a broker tier; the same calls as :class:`Client`.
     ``gradbus.connect`` returns one when the broker it reaches is a tier member."""
 
@@ -77,6 +40,8 @@ class TierClient:
         if tm is None:
             raise ValueError("not a tier member's client: its WELCOME named no tier")
         self.tier: TierMap = tm
+        self.maps_followed = 0     # newer maps taken (a move, a member joining)
+        self.stats_moved = 0       # pushes refused MOVED and sent again where their names went
         opts = dict(options or {})
         opts["client_id"] = first.client_id      # one worker, the same id at every member
         self._opts = opts
@@ -105,13 +70,17 @@ class TierClient:
         timeout = self._opts.get("timeout", DEFAULT_TIMEOUT)
         c = Client(self.tier.url(i), **{**self._opts, "timeout": min(timeout, REACH_TIMEOUT)})
         c.timeout = timeout
-        if c.tier_map is None or c.tier_map.members != self.tier.members or c.tier_at != i:
+        tm = c.tier_map
+        n = min(len(tm.members), len(self.tier.members)) if tm is not None else 0
+        if tm is None or tm.members[:n] != self.tier.members[:n] or c.tier_at != i:
             c.close(timeout=1.0)
             raise ValueError(f"tier member {i} ({self.tier.url(i)}) answers another tier "
                              "map: start every member with the same --tier")
         if self._accumulate is not None:
             c.accumulate(*self._accumulate)
         self.members[i] = c
+        if tm.version > self.tier.version:
+            self._take(tm)
         return c
 
     def member(self, i: int) -> Client:
@@ -155,12 +124,11 @@ class TierClient:
              version: int | None = None, timeout: float | None = None) -> Future:
         if not isinstance(grads, dict) or not grads:
             raise ValueError("push takes a non-empty dict of name -> gradient array")
-        parts = self._split(grads)
-        if len(parts) == 1:
-            (i, part), = parts.items()
-            return self.member(i).push(part, codec, acks, version, timeout)
-        return JoinedFuture([self.member(i).push(part, codec, acks, version, timeout)
-                             for i, part in parts.items()])
+        self._follow()
+        futs = [RoutedFuture(self, self._member_push(i, part, codec, acks, version, timeout),
+                             timeout)
+                for i, part in self._split(grads).items()]
+        return futs[0] if len(futs) == 1 else JoinedFuture(futs)
 
     def pull(self, keys=None, min_version: int | None = None, timeout: float | None = None,
              out: dict | None = None) -> dict:
@@ -170,30 +138,47 @@ class TierClient:
             keys = list(out)
         deadline = None if timeout is None else time.monotonic() + timeout
         got: dict = {}
+        self._follow()
         if keys is None:
-            groups = {i: None for i in range(len(self.members))}
-        else:
-            groups = {i: list(p) for i, p in self._split(dict.fromkeys(keys)).items()}
-        for i, names in groups.items():
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            sub = {n: a for n, a in (out or {}).items() if n in names} if names else None
-            got.update(self.member(i).pull(names, min_version, left, sub or None))
-        return got if keys is None else {n: got[n] for n in keys}
+            for i in range(len(self.members)):
+                got.update(self.member(i).pull(None, min_version, self._left(deadline)))
+            return got
+        todo = list(keys)
+        while todo:
+            name = todo[0]
+            i = self.tier.owner(name)
+            names = [n for n in todo if self.tier.owner(n) == i]
+            sub = {n: a for n, a in (out or {}).items() if n in names}
+            try:
+                got.update(self.member(i).pull(names, min_version, self._left(deadline),
+                                               sub or None))
+            except MovedError as e:         # moved since this client's map: follow it
+                self._moved(e)
+                self._wait_or_raise(deadline, e)
+                continue
+            except GradbusError as e:       # arriving at the member now holding them
+                if e.code != Code.RECOVERING:
+                    raise
+                self._wait_or_raise(deadline, e)
+                continue
+            todo = [n for n in todo if n not in names]
+        return {n: got[n] for n in keys}
 
     def version(self, name: str) -> int:
-        return self.owner(name).version(name)
+        return self._on_owner(name, lambda c: c.version(name))
 
     def gradient_buffer(self, name: str):
-        return self.owner(name).gradient_buffer(name)
+        return self._on_owner(name, lambda c: c.gradient_buffer(name))
 
     def init_table(self, name: str, *args, **kw):
-        return self.owner(name).init_table(name, *args, **kw)
+        return self._on_owner(name, lambda c: c.init_table(name, *args, **kw))
 
     def pull_rows(self, name: str, *args, **kw):
-        return self.owner(name).pull_rows(name, *args, **kw)
+        return self._on_owner(name, lambda c: c.pull_rows(name, *args, **kw))
 
     def push_rows(self, name: str, *args, **kw):
-        return self.owner(name).push_rows(name, *args, **kw)
+        return RoutedFuture(self, self._on_owner(name, lambda c: c.push_rows(name, *args, **kw)),
+                            kw.get("timeout"))
 
     def accumulate(self, every: int = 1, threshold: float | None = None) -> None:
         with self._lock:
@@ -264,7 +249,8 @@ class TierClient:
                 out.append(self.member(i).status(timeout))
             except BrokerUnavailableError as e:
                 out.append({"error": str(e)})
-        return {"tier": {"version": self.tier.version, "members": self.tier.describe()},
+        return {"tier": {"version": self.tier.version, "members": self.tier.describe(),
+                         "map": self.tier.to_wire()},
                 "members": out}
 
     def close(self, timeout: float = 10.0) -> None:

@@ -8,6 +8,7 @@ reaches the whole tier: ``gradbus.connect`` follows the map its WELCOME carries)
 """
 from __future__ import annotations
 
+import os
 import threading
 
 from gradbus.codecs import net
@@ -44,7 +45,10 @@ class TierCluster:
         urls = [self.member_url(i) for i in range(brokers)]
         tier = [a for u in urls for a in ("--tier", u)]
         for i, m in enumerate(self.members):
-            m.broker_args = [*(broker_args or []), *tier, "--tier-index", str(i)]
+            # with a data directory the map a move makes survives a whole tier's restart
+            kept = ["--tier-map", os.path.join(kw["data_dir"], f"tier-map-b{i}.json")] \
+                if kw.get("data_dir") else []
+            m.broker_args = [*(broker_args or []), *tier, "--tier-index", str(i), *kept]
         self.urls = urls
 
     def member_url(self, i: int) -> str:

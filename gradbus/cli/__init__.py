@@ -14,6 +14,14 @@ Operating a running cluster (:mod:`gradbus.cli.ops`, text from :mod:`gradbus.cli
   rebalance           even out the shards' load by moving partitions
   shard drain ID      move everything off a shard, which then stops
 
+A broker tier (:mod:`gradbus.cli.tier`, the mover in :mod:`gradbus.tier_admin`):
+  tier                the tier's map, and moving names between its members under load
+  tier map            the newest map: each member's share of the home partitions
+  tier move HOMES     give home partitions to one member
+  tier rebalance      even out the home partitions over the members
+  tier drain I        move every name of member I to the others
+  tier join URL       add a broker to the tier and give it its share
+
 Demos (:mod:`gradbus.cli.demo`):
   demo                train an MLP on handwritten digits
   demo ctr            train a click-through-rate model on embedding tables
@@ -31,7 +39,7 @@ from __future__ import annotations
 import click
 
 from gradbus import config
-from gradbus.cli import demo, keys, ops, serve
+from gradbus.cli import demo, keys, ops, serve, tier
 from gradbus.codecs.errors import GradbusError
 
 
@@ -55,7 +63,7 @@ def main() -> None:
 serve.shard.add_command(ops.shard_drain)
 for _cmd in (serve.broker, serve.shard, serve.up, serve.restore, ops.status, ops.top,
              ops.partitions, ops.checkpoint_cmd, ops.rebalance, demo.demo, demo.ctr_worker_cmd,
-             demo.worker_cmd, keys.keys, config.config_group):
+             demo.worker_cmd, keys.keys, config.config_group, tier.tier):
     main.add_command(_cmd)
 
 __all__ = ["main"]

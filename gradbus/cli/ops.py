@@ -12,6 +12,7 @@ import click
 from gradbus import config
 from gradbus.cli import render
 from gradbus.cli.options import broker_option, curve_options
+from gradbus.codecs import wire
 
 
 def _moving_options(wait_help: str):
@@ -119,13 +120,19 @@ def checkpoint_cmd(broker_url, as_json, timeout, curve):
 @click.option("--timeout", default=5.0, show_default=True, type=float)
 @curve_options("client")
 def partitions(broker_url, as_json, show_all, timeout, curve):
-    """The partition table: primary, standbys, epoch and seq of every placed partition."""
+    """The partition table: primary, standbys, epoch and seq of every placed partition (and,
+    of a broker tier's member, the tier's map: each member's share of the home partitions)."""
     from gradbus import admin
-    t = admin.partitions(broker_url, timeout, curve=curve)
+    st = admin.request(broker_url, wire.STATUS, timeout, curve=curve, table=True)["status"]
+    t = st["table"]
     rows = render.partition_rows(t, show_all)
+    tier = st.get("tier")
     if as_json:
-        click.echo(json.dumps({"version": t["version"], "partitions": rows}, indent=2))
+        click.echo(json.dumps({"version": t["version"], "partitions": rows,
+                               **({"tier": tier} if tier else {})}, indent=2))
         return
+    if tier:
+        click.echo(f"tier     {render.tier_text(tier)}")
     click.echo(render.partitions_text(rows))
 
 

@@ -37,9 +37,12 @@ def tier_text(tier: dict) -> str:
     member, of how many, the map's version, and each member's share of the home partitions
     (``*``: this one) with its URLs."""
     me = tier["member"]
+    arriving = tier.get("incoming") or []
     return (f"member {me} of {len(tier['members'])}, map v{tier['version']}; home partitions: "
             + "  ".join(f"{m['member']}{'*' if m['member'] == me else ''} {m['partitions']} "
-                        f"({','.join(m['urls'])})" for m in tier["members"]))
+                        f"({','.join(m['urls'])})" for m in tier["members"])
+            + (f"; {len(arriving)} arriving (a move under way: gradbus tier rebalance "
+               f"finishes it)" if arriving else ""))
 
 
 def status_text(st: dict, url: str) -> str:

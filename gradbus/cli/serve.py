@@ -25,9 +25,13 @@ from gradbus.codecs.errors import GradbusError
 from gradbus.codecs.partition import DEFAULT_PARTITIONS
 
 
-def tier_kw(members, index, partitions: int) -> dict:
-    """The broker's tier map and place from ``--tier`` and ``--tier-index``."""
+def tier_kw(members, index, partitions: int, map_file: str | None = None,
+            curve=None) -> dict:
+    """The broker's tier map and place from ``--tier`` and ``--tier-index``: the newest of the
+    command line's first map, the one kept in ``map_file`` and those the other members hold
+    (protocol 24.4: a member restarted after a move takes the map that moved names)."""
     from gradbus.codecs.tier import TierMap
+    from gradbus.tier_admin import learn_map
     try:
         tm = TierMap.spread(members, partitions)
     except ValueError as e:
@@ -35,7 +39,11 @@ def tier_kw(members, index, partitions: int) -> dict:
     if index is None or index >= len(tm.members):
         raise click.BadParameter(f"give this broker's place in the tier's {len(tm.members)} "
                                  f"members (0-{len(tm.members) - 1})", param_hint="--tier-index")
-    return {"tier": tm, "tier_index": index}
+    try:
+        tm = learn_map(tm, index, map_file, curve)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--tier-map")
+    return {"tier": tm, "tier_index": index, "tier_map_file": map_file}
 
 
 @config.config_option
@@ -110,12 +118,16 @@ def tier_kw(members, index, partitions: int) -> dict:
 @click.option("--tier-index", default=None, type=click.IntRange(0),
               help="With --tier: which member this broker is (0-based); a pair's two "
                    "brokers are the same member.")
+@click.option("--tier-map", "tier_map_file", type=click.Path(dir_okay=False), default=None,
+              help="With --tier: a file where this member keeps the tier's map (written at "
+                   "every move, read at start), so a member restarted while no other member "
+                   "answers still takes the map that moved names (gradbus tier).")
 @click.option("-v", "--verbose", count=True)
 def broker(host, port, backend_port, events_port, partitions, batch_window, spin_us, shard_credit,
            max_pending_mb, replicas, heartbeat_interval, liveness, fault_drop, fault_seed,
            verbose, curve, metrics_port, metrics_host, log_dir, log_fsync, replay_log,
            replay_until, shm, expect_shards, peer, peer_port, inproc_shards, data_dir,
-           checkpoint_interval, tier_members, tier_index):
+           checkpoint_interval, tier_members, tier_index, tier_map_file):
     """Run a broker in the foreground. Prints 'listening: URL' when bound (and 'metrics: URL'
     with --metrics-port, 'pair: URL' with --peer)."""
     opts.setup_logging(verbose)
@@ -141,9 +153,9 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, spin
                                "its own)")
     pair_kw = {"peer": peer, "peer_port": peer_port} if peer is not None else {}
     if tier_members:
-        pair_kw.update(tier_kw(tier_members, tier_index, partitions))
-    elif tier_index is not None:
-        raise click.UsageError("--tier-index names this broker's place in --tier")
+        pair_kw.update(tier_kw(tier_members, tier_index, partitions, tier_map_file))
+    elif tier_index is not None or tier_map_file:
+        raise click.UsageError("--tier-index and --tier-map are for a member of a --tier")
 
     def start(pair=None):
         return BrokerServer(host, port, backend_port=backend_port, events_port=events_port,

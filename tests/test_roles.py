@@ -128,3 +128,21 @@ def test_keys_generate_with_roles(tmp_path):
     assert r.exit_code != 0
     assert sorted(p.name for p in (tmp_path / "k").iterdir()) == [
         "ops.key", "ops.key_secret", "w1.key", "w1.key_secret"]
+
+
+def test_a_tier_moves_import_and_drop_need_the_operator_role(make_cluster, keys, tmp_path):
+    """An INIT carrying a tier move's ``imp`` or ``drop`` is an ops command's: a worker's key
+    is refused before anything else; an operator's reaches the tier check."""
+    from gradbus import tier_admin
+    cluster = make_cluster(1, curve_dir=keys.directory)
+    worker = _worker(keys, tmp_path)
+    for curve, why in ((worker, "FORBIDDEN.*operator role"),
+                       (cluster.curve, "BAD_REQUEST.*not a tier member")):
+        m = tier_admin._Member(cluster.url, curve, 10)
+        try:
+            with pytest.raises(gradbus.GradbusError, match=why):
+                m.ask(wire.INIT, opt={"name": "sgd", "lr": 0.1}, tensors=[], drop=["w"])
+            with pytest.raises(gradbus.GradbusError, match=why):
+                m.tier("map", map={})
+        finally:
+            m.close()

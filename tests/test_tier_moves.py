@@ -350,3 +350,45 @@ def test_a_move_takes_adam_state_and_table_rows_to_every_replica(tmp_path):
     finally:
         problems = [p for m in t.members for p in stop_and_check(m)]
     assert not problems, problems
+
+
+def test_flush_covers_pushes_sent_on_after_a_move_whose_futures_nobody_reads(tier2):
+    """A worker that never reads its push Futures (acks=1) and flushes at the end, as the
+    demo does: pushes refused MOVED are sent on to the new member before ``flush`` returns,
+    so every push is applied once ``flush`` returned, and none is lost at ``close``."""
+    urls = tier2.urls
+    tm = TierMap.spread(urls, 256)
+    names = [n for n in (f"d{i}" for i in range(64)) if tm.owner(n) == 1][:4]
+    with gradbus.connect(urls[0], timeout=60) as c:
+        c.init({n: np.zeros(N, np.float32) for n in names}, optimizer=gradbus.SGD(lr=LR))
+    flushed: list = []
+    errors: list = []
+    started, moved = threading.Event(), threading.Event()
+
+    def work():
+        try:
+            with gradbus.connect(urls[0], timeout=60, shm=False) as w:   # MOVED more often
+                g = {n: np.ones(N, np.float32) for n in names}
+                k = after = 0
+                while after < 50:          # pushes before, across and after the move
+                    w.push(g)
+                    k += 1
+                    after += moved.is_set()
+                    if k == 20:
+                        started.set()
+                w.flush(60)
+                flushed.append((k, w.stats_moved, w.stats["recovering_retries"]))
+        except BaseException as e:
+            errors.append(e)
+            started.set()
+    th = threading.Thread(target=work)
+    th.start()
+    assert started.wait(60)
+    tier_admin.rebalance(urls[0], members=[0])
+    moved.set()
+    th.join(180)
+    assert not errors, errors
+    (pushes, sent_on, retried), = flushed
+    assert sent_on + retried >= 1, flushed      # the pushes crossed the move
+    st = admin.status(urls[0])      # read once flush returned: nothing still travelling
+    assert {t["name"]: t["version"] for t in st["tensors"]} == dict.fromkeys(names, pushes)

@@ -25,7 +25,7 @@ from gradbus.codecs.errors import BrokerUnavailableError, Code, GradbusError, Mo
 from gradbus.codecs.tier import TierMap
 
 from .client import DEFAULT_TIMEOUT, Client
-from .tier_routes import FollowsMoves, JoinedFuture, RoutedFuture
+from .tier_routes import FollowsMoves, JoinedFuture, Reroutes, RoutedFuture
 
 log = logging.getLogger("gradbus.client")
 REACH_TIMEOUT = 5.0      # seconds a member not yet connected is given to answer a HELLO
@@ -42,6 +42,7 @@ class TierClient(FollowsMoves):
         self.tier: TierMap = tm
         self.maps_followed = 0     # newer maps taken (a move, a member joining)
         self.stats_moved = 0       # pushes refused MOVED and sent again where their names went
+        self.reroutes = Reroutes()
         opts = dict(options or {})
         opts["client_id"] = first.client_id      # one worker, the same id at every member
         self._opts = opts
@@ -236,9 +237,16 @@ class TierClient(FollowsMoves):
         return all(c is not None and c.broker_alive for c in self.members)
 
     def flush(self, timeout: float | None = None) -> None:
+        """Every member's pushes acknowledged, those refused MOVED (a move) included: their
+        copies are waited for until handed to their new member, and that member flushed."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        for c in self._live():
-            c.flush(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        while True:
+            started = self.reroutes.started
+            self.reroutes.wait(deadline)
+            for c in self._live():
+                c.flush(self._left(deadline))
+            if self.reroutes.started == started and not self.reroutes.busy:
+                return
 
     def status(self, timeout: float | None = None) -> dict:
         """Every member's status map, in the tier's order: ``{"tier": ..., "members": [...]}``;
@@ -254,7 +262,12 @@ class TierClient(FollowsMoves):
                 "members": out}
 
     def close(self, timeout: float = 10.0) -> None:
-        """Close every member client (each flushes first, up to ``timeout``)."""
+        """Close every member client (each flushes first, up to ``timeout``; pushes refused
+        MOVED are sent on to their new member first)."""
+        try:
+            self.flush(timeout)
+        except (TimeoutError, GradbusError) as e:
+            log.warning("closing the tier client: %s", e)
         for c in self._live():
             c.close(timeout)
 

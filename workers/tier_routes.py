@@ -53,6 +53,34 @@ class JoinedFuture(Future):
                               else max(0.0, deadline - time.monotonic()))
 
 
+class Reroutes:
+    """Pushes refused MOVED whose copy is not yet handed to the member holding their names:
+    the tier client's ``flush`` waits for them, then flushes that member too."""
+
+    def __init__(self):
+        self.cv = threading.Condition()
+        self.busy = 0
+        self.started = 0
+
+    def begin(self) -> None:
+        with self.cv:
+            self.busy += 1
+            self.started += 1
+
+    def end(self) -> None:
+        with self.cv:
+            self.busy -= 1
+            self.cv.notify_all()
+
+    def wait(self, deadline: float | None) -> None:
+        with self.cv:
+            while self.busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{self.busy} pushes refused MOVED not yet sent on")
+                self.cv.wait(left)
+
+
 class RoutedFuture(Future):
     """A member push's Future that, refused with MOVED, resolves with the same push sent to
     the member holding its names now. ``result()`` waits on the member's Future first, so
@@ -74,7 +102,8 @@ class RoutedFuture(Future):
             self.set_exception(err)
             return
         # sent again from a thread of its own: the member's I/O thread must not wait for
-        # another member's credit
+        # another member's credit; flush() waits until it is handed to its member
+        self._tier.reroutes.begin()
         threading.Thread(target=self._again, args=(err, moved), daemon=True,
                          name="gradbus-tier-route").start()
 
@@ -84,6 +113,8 @@ class RoutedFuture(Future):
         except BaseException as e:   # noqa: BLE001 - the caller's Future carries it
             self.set_exception(e)
             return
+        finally:
+            self._tier.reroutes.end()
         self._inner = fut
         fut.add_done_callback(lambda f: self.set_exception(f.exception())
                               if f.exception() is not None else self.set_result(f.result()))

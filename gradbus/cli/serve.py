@@ -2,6 +2,7 @@
 `gradbus up` (a local cluster) and `gradbus restore` (a local cluster from checkpoints)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -153,7 +154,11 @@ def broker(host, port, backend_port, events_port, partitions, batch_window, spin
                                "its own)")
     pair_kw = {"peer": peer, "peer_port": peer_port} if peer is not None else {}
     if tier_members:
-        pair_kw.update(tier_kw(tier_members, tier_index, partitions, tier_map_file))
+        # the other members are asked for their map with this broker's own key pair, which
+        # they admit where every member holds the one broker key pair (compose, `up --curve`)
+        asks = None if curve is None else dataclasses.replace(curve, server_key=curve.public,
+                                                              allow=None)
+        pair_kw.update(tier_kw(tier_members, tier_index, partitions, tier_map_file, asks))
     elif tier_index is not None or tier_map_file:
         raise click.UsageError("--tier-index and --tier-map are for a member of a --tier")
 

@@ -10,6 +10,7 @@
 #   docker/smoke.sh                                        # from anywhere in the repository
 #   PYTHON_IMAGE=IMAGE docker/smoke.sh                     # a local base image (no registry)
 #   PAIR=1 docker/smoke.sh                                 # a broker pair (see below)
+#   TIER=1 docker/smoke.sh                                 # a broker tier (see below)
 #
 # PAIR=1 lays docker/docker-compose.pair.yml over the stack (a standby broker, broker-b), and
 # once the workers' pushes are being applied SIGKILLs the active broker's process (from the
@@ -17,6 +18,13 @@
 # still finish with the accuracy asked, the other broker must be active with a take-over
 # counted, and every shard alive. Workers of a pair use TCP frames, so the shared-memory
 # checks are left out there.
+#
+# TIER=1 lays docker/docker-compose.tier.yml over the stack (a second tier member, broker-1,
+# with shards shard-3 and shard-4 in an IPC namespace of their own). The demo's tensors are
+# all held by member 1; once its shards are applying the workers' pushes, `gradbus tier
+# drain 1` (run in the broker's container) moves them to member 0 while the workers train:
+# the workers must still finish with the accuracy asked, member 1 must hold nothing and
+# member 0 every tensor, under a newer map.
 #
 # Settings (environment): PYTHON_IMAGE (the Dockerfile's build argument; default: the
 # Dockerfile's own), COMPOSE (default: `docker compose` where it works, else `docker-compose`),
@@ -47,8 +55,11 @@ fail() { say "FAIL: $*"; exit 1; }
 work=$(mktemp -d)
 export COMPOSE_PROFILES=monitoring   # its services start only when named below; down removes them
 pair=${PAIR:-0}
+tier=${TIER:-0}
+[[ $pair == 1 && $tier == 1 ]] && { say "PAIR=1 and TIER=1 are two runs"; exit 2; }
 files=(-f "$work/docker/docker-compose.yml")
 [[ $pair == 1 ]] && files+=(-f "$work/docker/docker-compose.pair.yml")
+[[ $tier == 1 ]] && files+=(-f "$work/docker/docker-compose.tier.yml")
 dc() { "${compose[@]}" -p "$project" "${files[@]}" "$@"; }
 cleanup() {
   local rc=$?
@@ -79,7 +90,8 @@ docker image inspect "$image" >/dev/null 2>&1 || fail "no image $image"
 
 # 2. the stack's files, with fresh key pairs (secret keys owned by the containers' uid 10001)
 mkdir -p "$work/docker/keys"
-cp -r "$here/docker-compose.yml" "$here/docker-compose.pair.yml" "$here/gradbus.toml" \
+cp -r "$here/docker-compose.yml" "$here/docker-compose.pair.yml" "$here/docker-compose.tier.yml" \
+  "$here/gradbus.toml" \
   "$here/prometheus.yml" "$here/alerts.yml" "$here/alertmanager.yml" "$here/grafana" \
   "$work/docker/"
 docker run --rm --user 0 --entrypoint sh -v "$work/docker/keys:/keys" "$image" -c \
@@ -90,6 +102,8 @@ docker run --rm --user 0 --entrypoint sh -v "$work/docker/keys:/keys" "$image" -
 
 services=(broker shard-0 shard-1 shard-2 worker-0 worker-1)
 [[ $pair == 1 ]] && services=(broker broker-b shard-0 shard-1 shard-2 worker-0 worker-1)
+[[ $tier == 1 ]] && services=(broker broker-1 shard-0 shard-1 shard-2 shard-3 shard-4 worker-0
+                              worker-1)
 for svc in prometheus alertmanager grafana; do
   img=$(grep -oE "image: *(prom/prometheus|prom/alertmanager|grafana/grafana):[^ ]+" "$here/docker-compose.yml" \
         | sed 's/image: *//' | grep -m1 "/$svc:" || true)
@@ -130,6 +144,21 @@ print((\"broker-b\" if act[0].endswith(\":5565\") else \"broker\") if len(act) =
   say "SIGKILL of the active broker, $active (pid $pid on the host)"
   kill -9 "$pid" || fail "could not SIGKILL $active's process"
   [[ $active == broker-b ]] && asked=broker
+fi
+if [[ $tier == 1 ]]; then
+  # 3c. member 1 drained while the workers' pushes are being applied there
+  while :; do
+    applied=$(dc exec -T broker-1 sh -c 'gradbus status --json --timeout 5 2>/dev/null | python -c "
+import json, sys
+print(int(json.load(sys.stdin)[\"counters\"].get(\"pushes_applied\", 0)))
+"' 2>/dev/null || echo 0)
+    ((${applied:-0} > 100)) && break
+    ((SECONDS < deadline)) || fail "member 1 applied no pushes within $timeout_s s"
+    sleep 0.5
+  done
+  say "gradbus tier drain 1 (member 1 applied $applied pushes)"
+  dc exec -T broker gradbus tier drain 1 --timeout 120 2>&1 | sed 's/^/  /' \
+    || fail "gradbus tier drain 1 failed"
 fi
 for w in worker-0 worker-1; do
   while :; do
@@ -174,6 +203,32 @@ sys.exit(0 if len(alive) == 3 and applied > 0 and freed > 0 and shm else 1)
 "' || fail "gradbus status: want 3 shards alive, on shared memory, and pushes applied through it"
 fi
 
+if [[ $tier == 1 ]]; then
+  dc exec -T broker sh -c 'gradbus tier map --json --timeout 10 | python -c "
+import json, sys
+tm = json.load(sys.stdin)
+print(\"  tier map v%d, home partitions per member: %s\" % (tm[\"v\"], [tm[\"owners\"].count(i)
+      for i in range(len(tm[\"members\"]))]))
+sys.exit(0 if tm[\"v\"] >= 2 and 1 not in tm[\"owners\"] else 1)
+"' || fail "gradbus tier map: want a newer map giving member 1 nothing"
+  for m in broker broker-1; do
+    dc exec -T "$m" sh -c 'gradbus status --json --timeout 10 | python -c "
+import json, sys
+st = json.load(sys.stdin)
+c = st[\"counters\"]
+print(\"  $m: errors\", st[\"errors\"], \" received\", c.get(\"pushes_received\"),
+      \" applied\", c.get(\"pushes_applied\"), \" moved\", c.get(\"tier_moved\"))
+"' || true
+    dc exec -T -e WANT="$([[ $m == broker ]] && echo 4 || echo 0)" "$m" sh -c \
+      'gradbus status --json --timeout 10 | python -c "
+import json, os, sys
+names = [t[\"name\"] for t in json.load(sys.stdin)[\"tensors\"]]
+print(\"  holds:\", names)
+sys.exit(0 if len(names) == int(os.environ[\"WANT\"]) else 1)
+"' || fail "$m: want it to hold $([[ $m == broker ]] && echo 'the 4 demo tensors' || echo nothing)"
+  done
+fi
+
 # 5. each worker's last line: a JSON summary with the demo model's test accuracy
 for w in worker-0 worker-1; do
   last=$(docker logs "$(cid "$w")" 2>/dev/null | tail -n 1)
@@ -186,6 +241,22 @@ sys.exit(0 if last.get("done") and last.get("test_accuracy", 0) >= least else 1)
   acc=$(sed -n 's/.*"test_accuracy": \([0-9.]*\).*/\1/p' <<<"$last")
   say "$w: test accuracy $acc >= $min_accuracy"
 done
+
+if [[ $tier == 1 ]]; then
+  # every push of both workers applied once, across the drain: each tensor's version (pushes
+  # applied to it) equals the pushes the workers made
+  total=0
+  for w in worker-0 worker-1; do
+    n=$(docker logs "$(cid "$w")" 2>/dev/null | tail -n 1 | sed -n 's/.*"pushes": \([0-9]*\).*/\1/p')
+    total=$((total + ${n:-0}))
+  done
+  dc exec -T -e TOTAL="$total" broker sh -c 'gradbus status --json --timeout 10 | python -c "
+import json, os, sys
+vers = {t[\"name\"]: t[\"version\"] for t in json.load(sys.stdin)[\"tensors\"]}
+print(\"  versions:\", vers, \" pushes made:\", os.environ[\"TOTAL\"])
+sys.exit(0 if vers and set(vers.values()) == {int(os.environ[\"TOTAL\"])} else 1)
+"' || fail "want every tensor's version equal to the pushes the workers made"
+fi
 
 # 6. the monitoring services, when they ran
 for svc in "${services[@]}"; do

@@ -194,9 +194,9 @@ class TierMoves:
                 p = partition_of(key, core.P)
                 entry["layout"] = ent["layout"]
                 self._learn_block(key, layout, ent)
-                core.table.place(p)
-                core.table.account(p, layout.block_bytes(split_key(key)[1]))
             core.table.place(p)
+            if rk is None:
+                core.table.account(p, layout.block_bytes(split_key(key)[1]))
             core.sequencer.enqueue(p, entry, raw, fr, ref)
             keys.append(key)
         return keys

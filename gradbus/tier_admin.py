@@ -105,12 +105,23 @@ class _Member:
         self.sock.connect(self.url)
 
     def ask(self, kind: str, frames=(), t=None, **fields) -> tuple[dict, list]:
+        """One request (an INIT keyed by ``msg``, else ``req``) and its answer: header and
+        frames; RECOVERING (the member not ready yet) is asked again until the timeout."""
         key = "msg" if kind == wire.INIT else "req"
-        ident = next(_reqs)
-        head = wire.pack(kind, t, **{key: ident}, **fields) if t else \
-            wire.pack(kind, **{key: ident}, **fields)
-        self.sock.send_multipart([head, *frames], copy=False)
         deadline = time.monotonic() + self.timeout
+        while True:
+            ident = next(_reqs)
+            head = wire.pack(kind, t, **{key: ident}, **fields) if t else \
+                wire.pack(kind, **{key: ident}, **fields)
+            self.sock.send_multipart([head, *frames], copy=False)
+            h, got = self._answer(key, ident, deadline, kind)
+            if h.get("kind") != wire.ERROR:
+                return h, got
+            if h.get("code") != Code.RECOVERING.value or time.monotonic() + 0.2 > deadline:
+                raise error_from(h["code"], h["message"])
+            time.sleep(0.2)
+
+    def _answer(self, key: str, ident: int, deadline: float, kind: str) -> tuple[dict, list]:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self.sock.poll(int(left * 1000)):
@@ -118,14 +129,8 @@ class _Member:
                                  f"within {self.timeout:.0f}s")
             got = self.sock.recv_multipart(copy=False)
             h = msgpack.unpackb(got[0].bytes, raw=False)
-            if h.get(key) != ident and h.get("req") != ident:
-                continue
-            if h.get("kind") == wire.ERROR:
-                if h.get("code") == Code.RECOVERING.value:     # not ready yet: again
-                    time.sleep(0.2)
-                    return self.ask(kind, frames, t, **fields)
-                raise error_from(h["code"], h["message"])
-            return h, [f.buffer for f in got[1:]]
+            if h.get(key) == ident:
+                return h, [f.buffer for f in got[1:]]
 
     def tier(self, step: str, **fields) -> dict:
         return self.ask(wire.ADMIN, op="tier", step=step, **fields)[0]["result"]

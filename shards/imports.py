@@ -44,9 +44,10 @@ class Imports:
         self.store, self.backend, self.max = store, backend, max_tensor_bytes
 
     def _arrays(self, ent, descs, frames) -> list:
+        """Views of the entry's frame (a block's are copied into the store as it is put; a
+        table's rows are copied here)."""
         try:
-            return [np.array(a) for a in ent.st.split(
-                wire.decode_tensor(descs[ent.i], frames[ent.i], self.max))]
+            return ent.st.split(wire.decode_tensor(descs[ent.i], frames[ent.i], self.max))
         except ValueError as e:
             raise WireError(Code.BAD_SHAPE, f"{ent.key}: {e}") from None
 
@@ -62,7 +63,7 @@ class Imports:
 
     def table(self, ent, descs, frames, p: int) -> None:
         st = ent.st
-        arrs = dict(zip((a[0] for a in st.arrays), self._arrays(ent, descs, frames)))
+        arrs = {a[0]: np.array(v) for a, v in zip(st.arrays, self._arrays(ent, descs, frames))}
         try:
             put_table(self.store, ent.key, p, ent.table, st.scalars, arrs)
         except ValueError as e:

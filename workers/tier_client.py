@@ -150,11 +150,12 @@ class TierClient(FollowsMoves):
             i = self.tier.owner(name)
             names = [n for n in todo if self.tier.owner(n) == i]
             sub = {n: a for n, a in (out or {}).items() if n in names}
+            since = self.tier.version
             try:
                 got.update(self.member(i).pull(names, min_version, self._left(deadline),
                                                sub or None))
             except MovedError as e:         # moved since this client's map: follow it
-                self._moved(e)
+                self._moved(since)
                 self._wait_or_raise(deadline, e)
                 continue
             except GradbusError as e:       # arriving at the member now holding them

@@ -53,6 +53,10 @@ class JoinedFuture(Future):
                               else max(0.0, deadline - time.monotonic()))
 
 
+def _nothing(_f) -> None:
+    pass
+
+
 class Reroutes:
     """Pushes refused MOVED whose copy is not yet handed to the member holding their names:
     the tier client's ``flush`` waits for them, then flushes that member too."""
@@ -89,8 +93,17 @@ class RoutedFuture(Future):
     def __init__(self, tier, inner: Future, timeout, hops: int = 0):
         super().__init__()
         self._tier, self._timeout, self._hops = tier, timeout, hops
+        self._since = tier.tier.version      # the map this push was routed by
         self._inner = inner
-        inner.add_done_callback(self._done)
+        # Future's own add_done_callback: a local link's reader is not called back to the
+        # I/O thread for it (a caller waiting in result() reads its answer itself); one
+        # waiting only through a callback of this Future asks for that (add_done_callback)
+        Future.add_done_callback(inner, self._done)
+
+    def add_done_callback(self, fn) -> None:
+        super().add_done_callback(fn)
+        if not self.done():
+            self._inner.add_done_callback(_nothing)    # the answer read without a caller
 
     def _done(self, f: Future) -> None:
         err = f.exception()
@@ -104,12 +117,12 @@ class RoutedFuture(Future):
         # sent again from a thread of its own: the member's I/O thread must not wait for
         # another member's credit; flush() waits until it is handed to its member
         self._tier.reroutes.begin()
-        threading.Thread(target=self._again, args=(err, moved), daemon=True,
+        threading.Thread(target=self._again, args=(moved,), daemon=True,
                          name="gradbus-tier-route").start()
 
-    def _again(self, err: MovedError, moved: dict) -> None:
+    def _again(self, moved: dict) -> None:
         try:
-            fut = self._tier.send_moved(err, moved, self._timeout, self._hops + 1)
+            fut = self._tier.send_moved(moved, self._timeout, self._hops + 1, self._since)
         except BaseException as e:   # noqa: BLE001 - the caller's Future carries it
             self.set_exception(e)
             return
@@ -172,15 +185,17 @@ class FollowsMoves:
                 self._take(TierMap.from_wire(w))
         return self.tier
 
-    def _moved(self, e: MovedError) -> None:
-        """After a MOVED: the map the refusing member holds (it names it in its refusal's
-        TABLE too, which may come later)."""
+    def _moved(self, since: int) -> None:
+        """After a MOVED of a call routed by map ``since``: a newer map a member's TABLE
+        named, else the members are asked (the refusing member's TABLE may come later)."""
         self._follow()
-        self.refresh(getattr(e, "member", None))
+        if self.tier.version <= since:
+            self.refresh()
 
-    def send_moved(self, err: MovedError, moved: dict, timeout, hops: int) -> Future:
-        """A push refused with MOVED, sent again to the members holding its names now."""
-        self._moved(err)
+    def send_moved(self, moved: dict, timeout, hops: int, since: int) -> Future:
+        """A push refused with MOVED (routed by map ``since``), sent again to the members
+        holding its names now."""
+        self._moved(since)
         parts = split_moved(moved, self.tier.owner)
         self.stats_moved += 1
         futs = [RoutedFuture(self, self.member(i)._submit_push(
@@ -192,13 +207,14 @@ class FollowsMoves:
         """Member ``i``'s push; a MOVED an earlier acks=0 push left to raise is sent on
         where its names went first."""
         while True:
+            since = self.tier.version
             try:
                 return self.member(i).push(part, codec, acks, version, timeout)
             except MovedError as e:
                 moved = getattr(e, "moved_push", None)
                 if moved is None:
                     raise
-                self.send_moved(e, moved, timeout, 1)
+                self.send_moved(moved, timeout, 1, since)
 
     @staticmethod
     def _left(deadline):
@@ -216,10 +232,11 @@ class FollowsMoves:
         self._follow()
         deadline = time.monotonic() + self.members[self.first].timeout
         while True:
+            since = self.tier.version
             try:
                 return call(self.owner(name))
             except MovedError as e:
-                self._moved(e)
+                self._moved(since)
                 self._wait_or_raise(deadline, e)
             except GradbusError as e:
                 if e.code != Code.RECOVERING:

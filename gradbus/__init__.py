@@ -22,8 +22,24 @@ from gradbus.codecs.errors import (  # noqa: E402
 )
 from gradbus.codecs.security import Curve  # noqa: E402
 from gradbus.codecs.specs import FTRL, SGD, Adagrad, Adam, Constant, Normal, Uniform, Zeros  # noqa: E402
-from gradbus.workers.client import Client, connect  # noqa: E402
-from gradbus.workers.tier_client import TierClient  # noqa: E402
+
+# The SDK's client is imported when first named, so that a broker or shard process (whose
+# modules live under this package) does not load the client's modules at start.
+_LAZY = {"Client": "gradbus.workers.client", "connect": "gradbus.workers.client",
+         "TierClient": "gradbus.workers.tier_client"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'gradbus' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted({*globals(), *_LAZY})
 
 __all__ = ["connect", "Client", "SGD", "Adam", "Adagrad", "FTRL", "Zeros", "Constant", "Normal",
            "Uniform", "GradbusError", "ShardUnavailableError", "UnknownKeyError",

@@ -148,7 +148,9 @@ def no_leaked_sockets_or_fds():
 def data_path(request, monkeypatch):
     """Where tensor bytes travel between processes of a host: ``"shm"`` (the default) or
     ``"frames"`` (``GRADBUS_SHM=0`` for every process the test starts). A module that sets
-    ``BOTH_DATA_PATHS = True`` runs each of its tests both ways."""
+    ``BOTH_DATA_PATHS = True`` runs each of its tests both ways; the frames twin of a test
+    named in its ``FRAMES_SLOW`` runs with the slow tests (long tests whose frames path other
+    tests of the default run cover)."""
     mode = getattr(request, "param", None)
     if mode is not None:
         monkeypatch.setenv("GRADBUS_SHM", "1" if mode == "shm" else "0")
@@ -157,7 +159,9 @@ def data_path(request, monkeypatch):
 
 def pytest_generate_tests(metafunc):
     if getattr(metafunc.module, "BOTH_DATA_PATHS", False) and "data_path" in metafunc.fixturenames:
-        metafunc.parametrize("data_path", ["shm", "frames"], indirect=True)
+        slow = metafunc.function.__name__ in getattr(metafunc.module, "FRAMES_SLOW", ())
+        metafunc.parametrize("data_path", ["shm", pytest.param(
+            "frames", marks=[pytest.mark.slow] if slow else [])], indirect=True)
 
 
 @pytest.fixture

@@ -24,6 +24,9 @@ from .rigs import RepRig, init_msg, push_msg, shard_with_state, wait_for
 
 # every test twice: tensor bytes through shared memory (the default), then as frames
 BOTH_DATA_PATHS = True
+# a restore's logic does not depend on the path; the broker restart tests run both by default
+FRAMES_SLOW = {"test_checkpoint_command_then_restore_at_a_time",
+               "test_update_log_restores_exactly_to_the_update"}
 
 LR = 2.0 ** -6
 

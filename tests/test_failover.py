@@ -15,6 +15,9 @@ from .rigs import wait_for
 
 # every test twice: tensor bytes through shared memory (the default), then as frames
 BOTH_DATA_PATHS = True
+# rows take the path dense blocks do (test_sigkill_primary_mid_run_acks_all_known_answer
+# runs both by default)
+FRAMES_SLOW = {"test_embedding_rows_survive_a_sigkilled_primary"}
 
 # A short liveness window keeps failovers quick, but on a loaded 2-core machine a live shard
 # busy applying can fall silent for half a second: 2 s (twice the default) declares only the

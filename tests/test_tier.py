@@ -20,6 +20,7 @@ from gradbus.cli import render
 from gradbus.codecs.errors import Code, MovedError
 from gradbus.codecs.tier import TierMap, home_of, name_of, parse_member
 from gradbus.tier_cluster import TierCluster
+from gradbus.workers import tier_client
 from gradbus.workers.tier_client import JoinedFuture, TierClient
 
 from .rigs import gradbus_up, stop_and_check, wait_for
@@ -281,12 +282,15 @@ def _reach(c: TierClient, name: str):
 
 
 def test_a_killed_member_broker_without_a_standby_comes_back_and_loses_no_acknowledged_push(
-        make_tier):
+        make_tier, monkeypatch):
     """Members of one broker each (no standby). Member 1's broker is SIGKILLed while 2
     clients push acks="all" to both members, then started again on its ports, as ``gradbus
     up`` restarts it: member 0 serves on meanwhile, member 1's shard registers with the new
     broker holding its data, the clients' unsettled pushes go again to it, and every push is
     applied exactly once (protocol section 24: a dead member's names wait for it)."""
+    # a member that does not answer is given 1 s rather than 5 to answer a HELLO (twice here:
+    # at connect, and when a push first needs it): the same refusals, sooner
+    monkeypatch.setattr(tier_client, "REACH_TIMEOUT", 1.0)
     tier = make_tier(2, 1)
     with gradbus.connect(tier.url, timeout=60) as c:
         c.init({n: np.zeros(N, np.float32) for n in NAMES}, optimizer=gradbus.SGD(lr=LR))

@@ -71,7 +71,7 @@ class _Counter:
 def _run(config: str, nbytes: int, pushes: int, work: str) -> dict:
     """One cluster, ``pushes`` pushes: the servers' pstats files and the worker's calls."""
     import gradbus
-    from gradbus import admin
+    from gradbus import admin, connect  # before counting: the SDK is imported lazily
     port = throughput.free_port()
     url = f"tcp://127.0.0.1:{port}"
     procs, logs, stats = [], [], {}
@@ -96,7 +96,7 @@ def _run(config: str, nbytes: int, pushes: int, work: str) -> dict:
         n = nbytes // 4
         # counted from before the client starts its I/O thread (a thread started earlier would
         # not be): its start and end are the same in both runs and cancel out
-        with _Counter() as counted, gradbus.connect(url, timeout=60) as c:
+        with _Counter() as counted, connect(url, timeout=60) as c:
             c.init({"w": np.zeros(n, np.float32)}, optimizer=gradbus.SGD(lr=1e-6))
             c.pull(["w"])
             g = np.ones(n, np.float32)

@@ -5,17 +5,33 @@ it holds the partition as frames, or while a pull waits on a live one (read from
 board otherwise). A client that reads weights as frames follows its partitions by conflated
 delivery (protocol section 22) over its DEALER: FOLLOW before it snapshots them, and a CREDIT
 when its application reads them, except for a read of partitions it pushed to since its last
-read of them (its own push's weights answer that read). A credit still unanswered while two
-heartbeats name a newer seq is granted again (``again``): what answered it was lost.
+read of them (its own push's weights answer that read). A credit still unanswered while
+heartbeats name a newer seq is granted again (``again``): what answered it was lost, or is
+still on its way. Which one the client cannot tell, so it waits as long as answers take, as the
+push resend timer does (:mod:`.resend`): heartbeats are its clock (no other clock here). Each
+answer to a credit granted once is a sample of how many heartbeats naming a newer seq passed
+before it came (RFC 6298's smoothed time and variation; an answer to a credit granted again is
+no sample, Karn's rule); a credit is granted again after the larger of ``AGAIN_BEATS`` and that
+estimate, and each time it is granted again the wait for it doubles, up to
+``AGAIN_MAX_BEATS``; the doubled wait is where the next credits start until a sample comes
+(else, on a slow link, every credit would be granted again and no sample would ever come).
+On a link that takes seconds to bring a model's weights, a credit is then waited for, not
+granted again every half second (each of which the broker answers with the whole model once
+more, filling the link with weights nobody reads).
 
 Part of :class:`~.agent_state.AgentState` (``agent.follows``), which it reads its cache,
 output and counters from; no socket, no clock.
 """
 from __future__ import annotations
 
+import math
+
 from gradbus.codecs import wire
 
 from .actions import Send, Subscribe, Unsubscribe
+
+AGAIN_BEATS = 2           # heartbeats naming a newer seq before a credit is granted again ...
+AGAIN_MAX_BEATS = 240     # ... at least; doubling per grant again up to this (60 s at 0.25 s)
 
 
 class FollowState:
@@ -26,11 +42,15 @@ class FollowState:
         self.followed: set[int] = set()             # partitions whose updates we follow
         self.watched: dict[int, int] = {}           # live partition -> pulls waiting on it
         # conflated delivery: credits granted and not yet answered (p -> the seq held then),
-        # partitions pushed to since their last read, credited partitions a heartbeat named a
-        # newer seq of once
+        # and for each [heartbeats naming a newer seq since, heartbeats it is waited for,
+        # granted again]; partitions pushed to since their last read
         self.credits: dict[int, int] = {}
+        self.waits: dict[int, list] = {}
         self.pushed: set[int] = set()
-        self.behind: set[int] = set()
+        # heartbeats an answer takes: smoothed, and its variation (None: no sample yet)
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.backed = 0         # the wait a credit granted again doubled to, until a sample
 
     def pushed_to(self, parts) -> None:
         """A push to ``parts`` was sent: its own weights answer the next read of them."""
@@ -98,15 +118,22 @@ class FollowState:
             if p in self.credits or part is None or part.resync or part.last_seq != at:
                 continue         # an answer (or the snapshot) is on its way, or came
             self.credits[p] = part.last_seq
+            self.waits[p] = [0, self.patience(), False]
             ps.append(p)
             seqs.append(part.last_seq)
         if ps:
             self.a.stats["credits"] += len(ps)
             self.a.out.append(Send([wire.pack(wire.CREDIT, ps=ps, seqs=seqs)]))
 
+    def patience(self) -> int:
+        """Heartbeats naming a newer seq that a credit granted now is waited for."""
+        est = AGAIN_BEATS if self.srtt is None else math.ceil(self.srtt + 4 * self.rttvar)
+        return max(AGAIN_BEATS, min(AGAIN_MAX_BEATS, max(est, self.backed)))
+
     def heartbeat(self, ps, seqs) -> None:
-        """An events heartbeat's last published seqs: a credit unanswered though a newer seq
-        was published, at two heartbeats in a row, lost its answer: granted again."""
+        """An events heartbeat's last published seqs: a credit unanswered though newer seqs
+        were published, for as many heartbeats as it is waited for, is granted again (and
+        waited for twice as long)."""
         if not self.credits:
             return
         cache = self.a.cache
@@ -115,15 +142,17 @@ class FollowState:
             held = self.credits.get(p)
             if held is None or seq <= held:
                 continue
-            if p not in self.behind:
-                self.behind.add(p)
+            w = self.waits[p]
+            w[0] += 1
+            if w[0] < w[1]:
                 continue
-            self.behind.discard(p)
             part = cache.parts.get(p)
             if part is None or part.resync:
-                del self.credits[p]       # the snapshot on its way answers it
+                del self.credits[p], self.waits[p]     # the snapshot on its way answers it
                 continue
             self.credits[p] = part.last_seq
+            w[0], w[1], w[2] = 0, min(AGAIN_MAX_BEATS, 2 * w[1]), True
+            self.backed = max(self.backed, w[1])
             again.append(p)
             have.append(part.last_seq)
         if again:
@@ -131,16 +160,24 @@ class FollowState:
             self.a.out.append(Send([wire.pack(wire.CREDIT, ps=again, seqs=have, again=True)]))
 
     def updated(self, p: int) -> None:
-        """An UPDATE of ``p`` came: whatever came answers its credit."""
-        if self.conflated:
-            self.credits.pop(p, None)
-            self.behind.discard(p)
+        """An UPDATE of ``p`` came: whatever came answers its credit (a credit granted once
+        makes a sample of the heartbeats an answer takes)."""
+        if self.conflated and self.credits.pop(p, None) is not None:
+            beats, _, again = self.waits.pop(p)
+            if not again:
+                self.backed = 0
+                if self.srtt is None:
+                    self.srtt, self.rttvar = float(beats), beats / 2
+                else:
+                    self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - beats)
+                    self.srtt = 0.875 * self.srtt + 0.125 * beats
 
     def broker_restarted(self) -> None:
         """Another broker process answers now: a conflated follower follows again (before its
         partitions are snapshot again), with no credit held."""
         if self.conflated and self.followed:
             self.credits.clear()
-            self.behind.clear()
+            self.waits.clear()
             self.pushed.clear()
+            self.srtt, self.rttvar, self.backed = None, 0.0, 0
             self.a.out.append(Send([wire.pack(wire.FOLLOW, ps=sorted(self.followed))]))

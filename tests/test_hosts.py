@@ -144,3 +144,29 @@ def test_a_tier_across_two_server_hosts_sends_each_tensor_through_its_members_li
         end_processes(brokers, 10)
         hosts.close()
     assert hosts.left() == []
+
+
+def test_a_slow_server_link_carries_about_the_weights_the_workers_read():
+    """bench/tier_hosts.py with one server host on a link that takes about a second per model:
+    a worker's credit is answered after many heartbeats, and is waited for rather than granted
+    again every half second (each grant again is the whole model once more). Each worker
+    receives a few times what it pushes at most (it read one model per push), where it
+    received about ten times with credits granted again every two heartbeats."""
+    why = hosts_net.permitted()
+    if why:
+        pytest.skip(f"emulated hosts: {why}")
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "tier_hosts.py"), "--servers", "1",
+         "--workers", "2", "--tensors", "2", "--size", "1M", "--server-link", "16mbit",
+         "--seconds", "5", "--warmup", "1"],
+        capture_output=True, text=True, timeout=240,
+        env={**os.environ, "TIER_HOSTS_STATS": "1", "GRADBUS_JIT": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = json.loads(done.stdout.strip().splitlines()[-1])
+    assert line["updates_per_s"] > 0, line
+    stats = [json.loads(s.split(": ", 1)[1]) for s in done.stderr.splitlines()
+             if s.startswith("worker ")]
+    assert len(stats) == 2, done.stderr[-3000:]
+    for st in stats:
+        assert st["pushes_acked"] >= 2, st
+        assert st["recv_bytes"] <= 3 * st["push_bytes"], st

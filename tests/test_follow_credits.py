@@ -46,6 +46,7 @@ def _beats_until_again(f: FollowState, a: Agent, p: int = 0, limit: int = 1000) 
     """Heartbeats naming a newer seq of ``p`` until its credit is granted again."""
     for n in range(1, limit + 1):
         f.heartbeat([p], [a.cache.parts[p].last_seq + 1])
+        f.validate_state()
         sent = a.credits_sent()
         if sent:
             assert sent == [{**sent[0], "ps": [p], "again": True}]
@@ -89,10 +90,12 @@ def test_answers_that_take_long_are_waited_for_once_sampled():
         for _ in range(20):
             f.heartbeat([0], [a.cache.parts[0].last_seq + 1])
             n += len(a.credits_sent())
+        f.validate_state()
         f.updated(0)                       # the answer comes, 20 heartbeats on
         agains.append(n)
     assert agains[0] >= 3 and sum(agains[2:]) == 0, agains
     assert f.srtt is not None and f.patience() > 20 and f.backed == 0
+    f.validate_state()
 
 
 def test_a_fast_answer_keeps_the_wait_short_and_a_restart_forgets_the_estimate():
@@ -107,6 +110,15 @@ def test_a_fast_answer_keeps_the_wait_short_and_a_restart_forgets_the_estimate()
     assert f.srtt == 0.0 and f.backed == 2 * AGAIN_BEATS
     f.broker_restarted()
     assert (f.srtt, f.backed, f.credits, f.waits) == (None, 0, {}, {})
+    f.validate_state()
+
+
+def test_a_broken_wait_is_named():
+    f, a = _follows()
+    _read(f, a)
+    f.waits[0][0] = f.waits[0][1]          # a wait past its due, never granted again
+    with pytest.raises(AssertionError):
+        f.validate_state()
 
 
 def test_a_partition_put_in_resync_drops_its_credit_the_snapshot_answers():

@@ -519,4 +519,5 @@ class AgentState:
             self.resend.validate_state()
             assert self.free_later <= self.resend.unsettled.keys(), self.free_later
         self.credit.validate_state()
+        self.follows.validate_state()
         self.cache.validate_state()

@@ -172,6 +172,14 @@ class FollowState:
                     self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - beats)
                     self.srtt = 0.875 * self.srtt + 0.125 * beats
 
+    def validate_state(self) -> None:
+        """Raise AssertionError at the first broken invariant of the credits' waits."""
+        assert self.credits.keys() == self.waits.keys(), (self.credits, self.waits)
+        for p, (beats, wait, _) in self.waits.items():
+            assert 0 <= beats < wait <= AGAIN_MAX_BEATS, (p, beats, wait)
+        assert 0 <= self.backed <= AGAIN_MAX_BEATS, self.backed
+        assert AGAIN_BEATS <= self.patience() <= AGAIN_MAX_BEATS
+
     def broker_restarted(self) -> None:
         """Another broker process answers now: a conflated follower follows again (before its
         partitions are snapshot again), with no credit held."""

@@ -8,7 +8,8 @@ by one switch; each server host's link shaped to ``--server-link`` each way, eac
 (gradbus.connect to member 0, which hands it the map; frames, no shared memory) pushes the
 whole model, ``--tensors`` tensors of ``--size`` each, ``acks=1``, and with ``--depth`` D pushes
 in flight waits for its oldest push's ACK and pulls the model at the version that ACK named
-(per member: the least version its parts named), then counts an update.
+(each member's tensors at the version that member's part of the ACK named), then counts an
+update.
 
 One JSON line per K (medians over ``--repeat`` interleaved rounds):
 
@@ -78,6 +79,9 @@ def worker(url: str, names: list, nelems: int, depth: int, counters, i: int, sto
     members = c.members if isinstance(c, TierClient) else [c]
     owned = [[n for n in names if (c.owner(n) if isinstance(c, TierClient) else c) is m]
              for m in members]
+    # a push's ACK has a part per member it went to, in the order its names first name them
+    order = (list(dict.fromkeys(c.tier.owner(n) for n in names))
+             if isinstance(c, TierClient) else [0])
     g = {n: np.full(nelems, 1e-6, np.float32) for n in names}
     inflight: collections.deque = collections.deque()
     try:
@@ -87,10 +91,8 @@ def worker(url: str, names: list, nelems: int, depth: int, counters, i: int, sto
                 continue
             r = inflight.popleft().result(120)
             vers = [p["ver"] for p in r["parts"]] if "parts" in r else [r["ver"]]
-            least = min(vers)
-            for m, mine in zip(members, owned):
-                if mine:
-                    m.pull(mine, min_version=least, timeout=120)
+            for k, ver in zip(order, vers):      # each member at the version its part named
+                members[k].pull(owned[k], min_version=ver, timeout=120)
             counters[i] += 1
     finally:
         if os.environ.get("TIER_HOSTS_STATS"):

@@ -45,6 +45,7 @@ def _twins(urls) -> tuple[str, str]:
 
 def _pusher(url: str, pushes: int, names, errors: list, started: threading.Event,
             seen: list) -> None:
+    c = None
     try:
         with gradbus.connect(url, timeout=60) as c:
             g = {n: np.ones(N, np.float32) for n in names}
@@ -58,6 +59,12 @@ def _pusher(url: str, pushes: int, names, errors: list, started: threading.Event
             seen.append((c.maps_followed, c.stats_moved, c.stats["recovering_retries"]))
     except BaseException as e:
         errors.append(e)
+        # to tell why, should it fail: whether a MOVED came without the push's bytes, and
+        # what the client saw
+        print(f"pusher: {e!r}; moved_push {getattr(e, 'moved_push', 'absent') is not None}; "
+              f"map v{getattr(getattr(c, 'tier', None), 'version', None)}; stats_moved "
+              f"{getattr(c, 'stats_moved', None)}; "
+              f"{dict(c.stats) if c is not None else None}")
         started.set()
 
 

@@ -94,7 +94,7 @@ def test_answers_that_take_long_are_waited_for_once_sampled():
         f.updated(0)                       # the answer comes, 20 heartbeats on
         agains.append(n)
     assert agains[0] >= 3 and sum(agains[2:]) == 0, agains
-    assert f.srtt is not None and f.patience() > 20 and f.backed == 0
+    assert f.rtt.srtt is not None and f.patience() > 20 and f.backed == 0
     f.validate_state()
 
 
@@ -107,16 +107,16 @@ def test_a_fast_answer_keeps_the_wait_short_and_a_restart_forgets_the_estimate()
     _read(f, a)
     assert _beats_until_again(f, a) == AGAIN_BEATS     # a lost answer is asked again soon
     f.updated(0)                                          # answered after a grant again: no sample
-    assert f.srtt == 0.0 and f.backed == 2 * AGAIN_BEATS
+    assert f.rtt.srtt == 0.0 and f.backed == 2 * AGAIN_BEATS
     f.broker_restarted()
-    assert (f.srtt, f.backed, f.credits, f.waits) == (None, 0, {}, {})
+    assert (f.rtt.srtt, f.backed, f.credits) == (None, 0, {})
     f.validate_state()
 
 
 def test_a_broken_wait_is_named():
     f, a = _follows()
     _read(f, a)
-    f.waits[0][0] = f.waits[0][1]          # a wait past its due, never granted again
+    f.credits[0].beats = f.credits[0].wait     # a wait past its due, never granted again
     with pytest.raises(AssertionError):
         f.validate_state()
 
@@ -127,15 +127,16 @@ def test_a_partition_put_in_resync_drops_its_credit_the_snapshot_answers():
     a.cache.parts[0].resync = True
     for _ in range(AGAIN_BEATS):
         f.heartbeat([0], [99])
-    assert a.credits_sent() == [] and 0 not in f.credits and 0 not in f.waits
+    assert a.credits_sent() == [] and 0 not in f.credits
 
 
 @pytest.mark.parametrize("beats", [0, 3, 40])
 def test_the_estimate_follows_the_samples(beats):
     f, _ = _follows()
     for _ in range(30):
-        f.waits[0], f.credits[0] = [beats, 1000, False], 10
+        f.credits[0] = follow_state._Credit(10, 1000)
+        f.credits[0].beats = beats
         f.updated(0)
-    assert f.srtt == pytest.approx(beats, abs=0.01)
+    assert f.rtt.srtt == pytest.approx(beats, abs=0.01)
     assert f.patience() == max(AGAIN_BEATS, min(follow_state.AGAIN_MAX_BEATS,
                                                 beats + (1 if beats else 0)))

@@ -29,6 +29,19 @@ import math
 from gradbus.codecs import wire
 
 from .actions import Send, Subscribe, Unsubscribe
+from .resend import RoundTrip
+
+
+class _Credit:
+    """A credit granted and not answered yet."""
+    __slots__ = ("held", "beats", "wait", "again")
+
+    def __init__(self, held: int, wait: int):
+        self.held = held        # the seq held when it was granted (again)
+        self.beats = 0          # heartbeats naming a newer seq since
+        self.wait = wait        # heartbeats it is waited for
+        self.again = False      # granted again: its answer is no sample
+
 
 AGAIN_BEATS = 2           # heartbeats naming a newer seq before a credit is granted again ...
 AGAIN_MAX_BEATS = 240     # ... at least; doubling per grant again up to this (60 s at 0.25 s)
@@ -41,15 +54,11 @@ class FollowState:
         self.topic = wire.topic_partition_shm if agent.shm is not None else wire.topic_partition
         self.followed: set[int] = set()             # partitions whose updates we follow
         self.watched: dict[int, int] = {}           # live partition -> pulls waiting on it
-        # conflated delivery: credits granted and not yet answered (p -> the seq held then),
-        # and for each [heartbeats naming a newer seq since, heartbeats it is waited for,
-        # granted again]; partitions pushed to since their last read
-        self.credits: dict[int, int] = {}
-        self.waits: dict[int, list] = {}
+        # conflated delivery: credits granted and not yet answered; partitions pushed to
+        # since their last read
+        self.credits: dict[int, _Credit] = {}
         self.pushed: set[int] = set()
-        # heartbeats an answer takes: smoothed, and its variation (None: no sample yet)
-        self.srtt: float | None = None
-        self.rttvar = 0.0
+        self.rtt = RoundTrip()  # heartbeats an answer takes
         self.backed = 0         # the wait a credit granted again doubled to, until a sample
 
     def pushed_to(self, parts) -> None:
@@ -117,8 +126,7 @@ class FollowState:
             part = cache.parts.get(p)
             if p in self.credits or part is None or part.resync or part.last_seq != at:
                 continue         # an answer (or the snapshot) is on its way, or came
-            self.credits[p] = part.last_seq
-            self.waits[p] = [0, self.patience(), False]
+            self.credits[p] = _Credit(part.last_seq, self.patience())
             ps.append(p)
             seqs.append(part.last_seq)
         if ps:
@@ -127,7 +135,8 @@ class FollowState:
 
     def patience(self) -> int:
         """Heartbeats naming a newer seq that a credit granted now is waited for."""
-        est = AGAIN_BEATS if self.srtt is None else math.ceil(self.srtt + 4 * self.rttvar)
+        rto = self.rtt.bound()
+        est = AGAIN_BEATS if rto is None else math.ceil(rto)
         return max(AGAIN_BEATS, min(AGAIN_MAX_BEATS, max(est, self.backed)))
 
     def heartbeat(self, ps, seqs) -> None:
@@ -139,20 +148,19 @@ class FollowState:
         cache = self.a.cache
         again, have = [], []
         for p, seq in zip(ps, seqs):
-            held = self.credits.get(p)
-            if held is None or seq <= held:
+            c = self.credits.get(p)
+            if c is None or seq <= c.held:
                 continue
-            w = self.waits[p]
-            w[0] += 1
-            if w[0] < w[1]:
+            c.beats += 1
+            if c.beats < c.wait:
                 continue
             part = cache.parts.get(p)
             if part is None or part.resync:
-                del self.credits[p], self.waits[p]     # the snapshot on its way answers it
+                del self.credits[p]       # the snapshot on its way answers it
                 continue
-            self.credits[p] = part.last_seq
-            w[0], w[1], w[2] = 0, min(AGAIN_MAX_BEATS, 2 * w[1]), True
-            self.backed = max(self.backed, w[1])
+            c.held, c.beats, c.wait, c.again = (part.last_seq, 0,
+                                                min(AGAIN_MAX_BEATS, 2 * c.wait), True)
+            self.backed = max(self.backed, c.wait)
             again.append(p)
             have.append(part.last_seq)
         if again:
@@ -162,21 +170,15 @@ class FollowState:
     def updated(self, p: int) -> None:
         """An UPDATE of ``p`` came: whatever came answers its credit (a credit granted once
         makes a sample of the heartbeats an answer takes)."""
-        if self.conflated and self.credits.pop(p, None) is not None:
-            beats, _, again = self.waits.pop(p)
-            if not again:
-                self.backed = 0
-                if self.srtt is None:
-                    self.srtt, self.rttvar = float(beats), beats / 2
-                else:
-                    self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - beats)
-                    self.srtt = 0.875 * self.srtt + 0.125 * beats
+        c = self.credits.pop(p, None) if self.conflated else None
+        if c is not None and not c.again:
+            self.backed = 0
+            self.rtt.sample(c.beats)
 
     def validate_state(self) -> None:
         """Raise AssertionError at the first broken invariant of the credits' waits."""
-        assert self.credits.keys() == self.waits.keys(), (self.credits, self.waits)
-        for p, (beats, wait, _) in self.waits.items():
-            assert 0 <= beats < wait <= AGAIN_MAX_BEATS, (p, beats, wait)
+        for p, c in self.credits.items():
+            assert 0 <= c.beats < c.wait <= AGAIN_MAX_BEATS, (p, c.beats, c.wait)
         assert 0 <= self.backed <= AGAIN_MAX_BEATS, self.backed
         assert AGAIN_BEATS <= self.patience() <= AGAIN_MAX_BEATS
 
@@ -185,7 +187,6 @@ class FollowState:
         partitions are snapshot again), with no credit held."""
         if self.conflated and self.followed:
             self.credits.clear()
-            self.waits.clear()
             self.pushed.clear()
-            self.srtt, self.rttvar, self.backed = None, 0.0, 0
+            self.rtt, self.backed = RoundTrip(), 0
             self.a.out.append(Send([wire.pack(wire.FOLLOW, ps=sorted(self.followed))]))

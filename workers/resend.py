@@ -37,6 +37,27 @@ BUSY_RETRY = 0.05            # seconds before a push or init refused with BUSY i
 BUSY_MAX = 2.0               # ... doubling per BUSY in a row up to this
 
 
+class RoundTrip:
+    """How long answers take, from samples: RFC 6298's smoothed time and its variation (the
+    resend timer's in seconds, conflated delivery's credits' in heartbeats)."""
+    __slots__ = ("srtt", "rttvar")
+
+    def __init__(self):
+        self.srtt: float | None = None     # None: no sample yet
+        self.rttvar = 0.0
+
+    def sample(self, x: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = float(x), x / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - x)
+            self.srtt = 0.875 * self.srtt + 0.125 * x
+
+    def bound(self) -> float | None:
+        """Smoothed time + 4 x variation: what an answer is waited for (None: no sample)."""
+        return None if self.srtt is None else self.srtt + 4 * self.rttvar
+
+
 class ResendTimer:
     """No I/O: :meth:`due` returns the frames to send again; the caller sends them."""
 
@@ -46,8 +67,7 @@ class ResendTimer:
             raise ValueError("resend delays must be positive, cap >= base")
         self.base, self.cap, self.recovering_after = base, cap, recovering
         self.delay = base
-        self.srtt: float | None = None     # smoothed round trip of messages sent once ...
-        self.rttvar = 0.0                  # ... and its variation (RFC 6298)
+        self.rtt = RoundTrip()             # the round trip of messages sent once
         # msg -> [frames, last sent, first sent]; ordered by last sent (a resend moves it to
         # the end)
         self.unsettled: collections.OrderedDict = collections.OrderedDict()
@@ -72,20 +92,18 @@ class ResendTimer:
         self.busy.pop(msg, None)
         self.recovering.discard(msg)
         if ent is not None and now is not None:
-            sample = min(self.cap, max(0.0, now - ent[2]))
-            if self.srtt is None:
-                self.srtt, self.rttvar = sample, sample / 2
-            else:
-                self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - sample)
-                self.srtt = 0.875 * self.srtt + 0.125 * sample
+            self.rtt.sample(min(self.cap, max(0.0, now - ent[2])))
         self.delay = self.first_delay()
 
     def first_delay(self) -> float:
         """The delay a settlement resets to: ``base``, or the answers' round trip with its
         variation where that is longer (at most ``cap``)."""
-        if self.srtt is None:
-            return self.base
-        return min(self.cap, max(self.base, self.srtt + 4 * self.rttvar))
+        rto = self.rtt.bound()
+        return self.base if rto is None else min(self.cap, max(self.base, rto))
+
+    @property
+    def srtt(self) -> float | None:
+        return self.rtt.srtt
 
     def refused_recovering(self, msg: int, now: float) -> bool:
         """Send ``msg`` again shortly; False when it is not waiting (answered already)."""
